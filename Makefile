@@ -1,0 +1,21 @@
+# Set-up and checks. `make test` is what CI runs (through .ci/run).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv test demo
+
+$(BIN)/hetdp: pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(BIN)/hetdp
+
+venv: $(BIN)/hetdp
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+demo: venv
+	$(BIN)/hetdp demo

@@ -1,0 +1,1 @@
+"""Who computes how much: apportionment, weighted sampling, the adaptive rule and the C-ADP planner."""

@@ -1,0 +1,49 @@
+"""The ``hetdp`` command line: one module per sub-command, each exposing ``register(subparsers)``.
+
+A ``HetDPError`` becomes one line on stderr and exit code 2; anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from hetdp.errors import HetDPError
+
+COMMANDS = ("run", "bench")
+"""Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``hetdp run: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="hetdp", description="Heterogeneity-aware data-parallel training for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"hetdp.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args) or 0
+    except HetDPError as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"hetdp {args.command}: error: {first_line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

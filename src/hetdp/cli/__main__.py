@@ -1,0 +1,5 @@
+import sys
+
+from hetdp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""``hetdp run -n N script.py ...``: a thin wrapper over torch.distributed.run with emulated heterogeneity."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hetdp.cluster.emulate import Emulation, parse_speeds, parse_stragglers
+from hetdp.errors import ConfigError
+from hetdp.launch import run_local
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_emulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that make local ranks unequal; shared by `run`, `demo` and the benchmarks."""
+    parser.add_argument("--speeds", metavar="V1,V2,...", help="relative speed of each rank, e.g. 1,1,2,4")
+    parser.add_argument(
+        "--sample-cost-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="synthetic cost of one sample at speed 1 (default 0: stretch measured compute time instead)",
+    )
+    parser.add_argument("--stragglers", metavar="K:MS", help="delay K random ranks by MS milliseconds at each step")
+
+
+def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
+    """Validate the emulation flags against ``nproc``; raises ConfigError naming the bad flag."""
+    speeds = parse_speeds(args.speeds, nproc) if args.speeds else None
+    count, delay_ms = parse_stragglers(args.stragglers) if args.stragglers else (0, 0.0)
+    if count > nproc:
+        raise ConfigError(f"--stragglers asks for {count} delayed ranks among {nproc} processes")
+    return Emulation(
+        speeds=speeds,
+        sample_cost_ms=args.sample_cost_ms,
+        straggler_count=count,
+        straggler_delay_ms=delay_ms,
+        seed=getattr(args, "seed", 0),
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="launch a training script on N local ranks (torchrun) with emulated heterogeneity",
+        description="Launch SCRIPT on N local ranks through torch.distributed.run. "
+        "Emulation settings reach every rank through the environment (hetdp.Emulation.from_env).",
+    )
+    parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
+    add_emulation_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the straggler draws (default 0)")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    emulation = emulation_from_args(args, args.nproc)
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script not found: {script}")
+    return run_local(script, args.nproc, args.script_args, env=emulation.to_env()).returncode

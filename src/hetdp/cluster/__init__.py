@@ -1,0 +1,1 @@
+"""What the workers are: cluster descriptions, probes that measure them, and single-machine emulation."""

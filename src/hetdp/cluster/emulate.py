@@ -1,0 +1,171 @@
+"""Single-machine heterogeneity: per-rank speeds, injected stragglers and throttled links.
+
+Settings travel to every worker through environment variables, so an emulated
+run launches under torchrun exactly as a real one does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetdp.errors import ConfigError
+
+ENV_SPEEDS = "HETDP_SPEEDS"
+ENV_SAMPLE_COST_MS = "HETDP_SAMPLE_COST_MS"
+ENV_STRAGGLERS = "HETDP_STRAGGLERS"
+ENV_SEED = "HETDP_EMULATION_SEED"
+
+
+def parse_speeds(text: str, nproc: int | None = None) -> tuple[float, ...]:
+    """Parse ``"1,1,2,4"`` into positive relative speeds, one per rank.
+
+    Raises:
+        ConfigError: a value is not a positive finite number, or the count differs from ``nproc``.
+    """
+    speeds = []
+    for rank, item in enumerate(text.split(",")):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"speeds must be positive numbers, got {item.strip()!r} (rank {rank})") from None
+        if not (value > 0 and np.isfinite(value)):
+            raise ConfigError(f"speeds must be positive numbers, got {item.strip()!r} (rank {rank})")
+        speeds.append(value)
+    if nproc is not None and len(speeds) != nproc:
+        raise ConfigError(f"--speeds gives {len(speeds)} values for {nproc} processes; give one per process")
+    return tuple(speeds)
+
+
+def parse_stragglers(text: str) -> tuple[int, float]:
+    """Parse ``"K:DELAY_MS"`` (K random ranks delayed by DELAY_MS per step)."""
+    try:
+        count_text, delay_text = text.split(":")
+        count, delay_ms = int(count_text), float(delay_text)
+    except ValueError:
+        raise ConfigError(f"stragglers must look like K:DELAY_MS (e.g. 1:200), got {text!r}") from None
+    if count < 0 or not delay_ms >= 0:
+        raise ConfigError(f"stragglers needs K >= 0 and DELAY_MS >= 0, got {text!r}")
+    return count, delay_ms
+
+
+@dataclass(kw_only=True, frozen=True)
+class Emulation:
+    """How this machine pretends its ranks are unequal.
+
+    With ``sample_cost_ms`` at 0, a rank's measured compute time is stretched to
+    ``measured * max(speeds) / speeds[rank]`` (the fastest rank runs natively).
+    With ``sample_cost_ms`` > 0, each compute block is padded to take exactly
+    ``samples * sample_cost_ms / speeds[rank]``: exact speed ratios even when
+    several ranks share few cores, as long as real compute is cheaper than that.
+    """
+
+    speeds: tuple[float, ...] | None = None
+    """Relative speed of each rank; None means all equal (no stretching)."""
+    sample_cost_ms: float = 0.0
+    """Synthetic milliseconds per sample at speed 1; 0 stretches measured time instead."""
+    straggler_count: int = 0
+    """Ranks delayed at each step, drawn at random (the same draw on every rank)."""
+    straggler_delay_ms: float = 0.0
+    """Milliseconds each drawn straggler sleeps before its step."""
+    seed: int = 0
+    """Seed of the straggler draws."""
+
+    def __post_init__(self) -> None:
+        if self.speeds is not None and not all(v > 0 and np.isfinite(v) for v in self.speeds):
+            raise ConfigError(f"speeds must be positive numbers, got {list(self.speeds)}")
+        if not self.sample_cost_ms >= 0:
+            raise ConfigError(f"sample_cost_ms must be >= 0, got {self.sample_cost_ms!r}")
+        if self.straggler_count < 0 or not self.straggler_delay_ms >= 0:
+            raise ConfigError(
+                f"stragglers need count >= 0 and delay >= 0, got {self.straggler_count}:{self.straggler_delay_ms}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Emulation:
+        """Read the settings ``to_env`` wrote (what torchrun passes to every worker)."""
+        speeds = parse_speeds(env[ENV_SPEEDS]) if env.get(ENV_SPEEDS) else None
+        count, delay_ms = parse_stragglers(env[ENV_STRAGGLERS]) if env.get(ENV_STRAGGLERS) else (0, 0.0)
+        return cls(
+            speeds=speeds,
+            sample_cost_ms=float(env.get(ENV_SAMPLE_COST_MS, 0.0)),
+            straggler_count=count,
+            straggler_delay_ms=delay_ms,
+            seed=int(env.get(ENV_SEED, 0)),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """Environment variables that reproduce this emulation in a worker process."""
+        env = {ENV_SAMPLE_COST_MS: repr(self.sample_cost_ms), ENV_SEED: str(self.seed)}
+        if self.speeds is not None:
+            env[ENV_SPEEDS] = ",".join(repr(v) for v in self.speeds)
+        if self.straggler_count:
+            env[ENV_STRAGGLERS] = f"{self.straggler_count}:{self.straggler_delay_ms!r}"
+        return env
+
+    @property
+    def active(self) -> bool:
+        return self.speeds is not None or self.sample_cost_ms > 0 or self.straggler_count > 0
+
+    def speed(self, rank: int) -> float:
+        return 1.0 if self.speeds is None else self.speeds[rank]
+
+    def padding_s(self, rank: int, measured_s: float, samples: int) -> float:
+        """Seconds to sleep after a compute block of ``samples`` that really took ``measured_s``."""
+        if self.sample_cost_ms > 0:
+            return max(0.0, samples * self.sample_cost_ms / 1000.0 / self.speed(rank) - measured_s)
+        if self.speeds is None:
+            return 0.0
+        return measured_s * (max(self.speeds) / self.speed(rank) - 1.0)
+
+    def stragglers(self, step: int, world_size: int) -> frozenset[int]:
+        """Ranks delayed at ``step``: a pure function of (seed, step), so every rank agrees."""
+        if not self.straggler_count:
+            return frozenset()
+        rng = np.random.default_rng([self.seed, step])
+        count = min(self.straggler_count, world_size)
+        return frozenset(int(r) for r in rng.choice(world_size, size=count, replace=False))
+
+    def straggler_delay_s(self, step: int, rank: int, world_size: int) -> float:
+        return self.straggler_delay_ms / 1000.0 if rank in self.stragglers(step, world_size) else 0.0
+
+    @contextmanager
+    def compute(self, rank: int, samples: int) -> Iterator[None]:
+        """Run a compute block, then sleep so that it lasts as long as on the emulated device."""
+        start = time.perf_counter()
+        yield
+        pad_s = self.padding_s(rank, time.perf_counter() - start, samples)
+        if pad_s > 0:
+            time.sleep(pad_s)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Link:
+    """An emulated network link: latency plus size over bandwidth (the C-ADP paper's alpha + M/B)."""
+
+    bandwidth_mbps: float
+    """Megabits per second."""
+    latency_ms: float = 0.0
+    """One-way latency in milliseconds."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_mbps > 0:
+            raise ConfigError(f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps!r}")
+        if not self.latency_ms >= 0:
+            raise ConfigError(f"latency_ms must be >= 0, got {self.latency_ms!r}")
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over this link."""
+        return self.latency_ms / 1000.0 + nbytes * 8.0 / (self.bandwidth_mbps * 1e6)
+
+    def throttle(self, nbytes: float, measured_s: float) -> None:
+        """Sleep so that a transfer that really took ``measured_s`` lasts as long as on this link."""
+        pad_s = self.transfer_s(nbytes) - measured_s
+        if pad_s > 0:
+            time.sleep(pad_s)
+

@@ -1,0 +1,1 @@
+"""How contributions are combined: partial collectives on top of torch.distributed."""

@@ -1,0 +1,24 @@
+"""The exceptions hetdp raises: one root, so ``except hetdp.HetDPError`` catches ours only."""
+
+from __future__ import annotations
+
+
+class HetDPError(Exception):
+    """Root of every error hetdp raises on purpose."""
+
+
+class ConfigError(HetDPError, ValueError):
+    """A setting, flag or file field is invalid; the message names it and says what is allowed."""
+
+
+class PeerTimeoutError(HetDPError, TimeoutError):
+    """A peer did not answer within its deadline; the message names the rank and the timeout."""
+
+    def __init__(self, message: str, *, rank: int | None = None, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.timeout_s = timeout_s
+
+
+class CheckpointError(HetDPError):
+    """A checkpoint cannot be read, or does not match the run that tries to resume from it."""

@@ -1,0 +1,72 @@
+"""Process-group set-up and the one family of deadlines every blocking call in hetdp uses."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetdp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Timeouts:
+    """Deadlines, in seconds, for the three kinds of wait in a distributed run.
+
+    Too small a value turns a slow but healthy peer into a ``PeerTimeoutError``;
+    too large a value only delays the error a dead peer causes.
+    """
+
+    connect_s: float = 120.0
+    """Rendezvous and process-group creation: every rank must have started by then."""
+    round_s: float = 60.0
+    """One collective round or step: a peer silent for longer is reported by rank."""
+    shutdown_s: float = 10.0
+    """Joining helper threads and tearing down groups at ``close()``."""
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "round_s", "shutdown_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"timeouts.{name} must be > 0 seconds, got {value!r}")
+
+
+def init_distributed(backend: str | None = None, timeouts: Timeouts | None = None) -> tuple[int, int]:
+    """Join the default process group from torchrun's environment, once; return (rank, world size).
+
+    The backend defaults to NCCL when every rank has a GPU and gloo otherwise. A
+    process already in a group keeps it, so library code may call this freely.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"not launched by torchrun: {', '.join(missing)} unset; start with `hetdp run -n N script.py` or torchrun"
+        )
+    timeouts = timeouts or Timeouts()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeouts.connect_s))
+    log.debug("rank %d of %d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so that a wall-clock reading measures finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

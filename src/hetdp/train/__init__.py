@@ -1,0 +1,1 @@
+"""Training loops and optimizer wrappers a user calls, one per synchronization strategy."""
