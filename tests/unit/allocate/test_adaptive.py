@@ -1,0 +1,70 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetdp import AdaptiveAllocator, ConfigError
+from hetdp.allocate.adaptive import rebalance
+
+speeds_strategy = st.lists(st.floats(min_value=0.1, max_value=8.0), min_size=2, max_size=6)
+
+
+def synthetic_seconds(shares, speeds, overhead_s=0.0):
+    """Compute time of each rank for its share: work / speed (what the paper's derivation assumes)."""
+    return [share / speed + overhead_s for share, speed in zip(shares, speeds)]
+
+
+@given(speeds=speeds_strategy, initial=st.data(), total=st.integers(200, 2000))
+def test_reaches_speed_proportional_shares_within_two_updates(speeds, initial, total):
+    start = initial.draw(st.lists(st.floats(0.1, 10.0), min_size=len(speeds), max_size=len(speeds)))
+    allocator = AdaptiveAllocator(len(speeds), total, initial=start)
+    for _ in range(2):
+        allocator.update(synthetic_seconds(allocator.shares, speeds))
+    speed_sum = sum(speeds)
+    for share, speed in zip(allocator.shares, speeds):
+        proportional = 1 + (total - len(speeds)) * speed / speed_sum  # minimum 1, the rest by speed
+        assert abs(share - proportional) < 1 + 1e-9
+
+
+@given(speeds=speeds_strategy, total=st.integers(50, 2000))
+def test_update_keeps_the_total_and_the_minimum(speeds, total):
+    allocator = AdaptiveAllocator(len(speeds), total, minimum=3)
+    shares = allocator.update(synthetic_seconds(allocator.shares, speeds))
+    assert sum(shares) == total and min(shares) >= 3
+
+
+def test_rule_matches_the_paper_formula_on_a_hand_example():
+    # w = [4, 4], t = [2, 1]: w/t = [2, 4] -> C * [1/3, 2/3] = [4, 8] for C = 12 (task-allocation paper, eq. 10)
+    assert rebalance([4, 4], [2.0, 1.0], total=12) == [4, 8]
+
+
+def test_stops_replanning_once_stable():
+    allocator = AdaptiveAllocator(2, 100, patience=1)
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 3.0]))  # moves to [25, 75]
+    assert not allocator.stable
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 3.0]))  # stays: calm
+    assert allocator.stable
+    assert allocator.update([1.0, 100.0]) == [25, 75]  # frozen
+
+
+def test_smoothing_damps_a_noisy_measurement():
+    raw = AdaptiveAllocator(2, 100, freeze_when_stable=False)
+    smooth = AdaptiveAllocator(2, 100, smoothing=0.8, freeze_when_stable=False)
+    for allocator in (raw, smooth):
+        allocator.update(synthetic_seconds(allocator.shares, [1.0, 1.0]))
+        allocator.update(synthetic_seconds(allocator.shares, [1.0, 4.0]))  # one noisy reading
+    assert raw.shares == [21, 79]  # 1 + 98 * 0.2, rounded
+    assert smooth.shares == [39, 61]  # speeds 0.8 * [50, 50] + 0.2 * [50, 200] = [50, 80]
+
+
+def test_state_round_trips():
+    allocator = AdaptiveAllocator(3, 60)
+    allocator.update([1.0, 2.0, 4.0])
+    restored = AdaptiveAllocator(3, 60)
+    restored.load_state_dict(allocator.state_dict())
+    assert restored.shares == allocator.shares and restored.state_dict() == allocator.state_dict()
+
+
+@pytest.mark.parametrize("seconds", [[1.0, 0.0], [1.0, -2.0], [1.0, float("inf")], [1.0]])
+def test_bad_times_are_rejected(seconds):
+    with pytest.raises(ConfigError):
+        AdaptiveAllocator(2, 10).update(seconds)
