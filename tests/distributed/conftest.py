@@ -15,7 +15,7 @@ WORKERS = Path(__file__).parent / "workers"
 TorchRun = Callable[..., subprocess.CompletedProcess]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun() -> TorchRun:
     """Run ``tests/distributed/workers/<name>`` on ``nproc`` ranks; fail with the workers' output if it fails.
 

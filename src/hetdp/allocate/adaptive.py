@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hetdp.allocate.apportion import apportion
+from hetdp.allocate.apportion import apportion, apportion_min_max
 from hetdp.errors import ConfigError
 
 
@@ -14,9 +14,11 @@ def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minim
     """Self-adaptive rule: new share proportional to measured speed (share / seconds).
 
     Task-allocation paper, eq. 10: ``w_i <- C * (w_i / t_i) / sum_j (w_j / t_j)``,
-    rounded with ``apportion`` so the shares still sum to ``total`` (C).
+    rounded so the shares still sum to ``total`` (C), each the floor or ceiling of
+    its exact value, the leftover units placed where they lengthen the step least
+    (``apportion_min_max``; the paper only says it rounds).
     """
-    return apportion(measured_speeds(shares, seconds), total, minimum)
+    return apportion_min_max(measured_speeds(shares, seconds), total, minimum)
 
 
 def measured_speeds(shares: Sequence[int], seconds: Sequence[float]) -> list[float]:
@@ -34,9 +36,11 @@ class AdaptiveAllocator:
 
     Each ``update`` applies the paper's rule to speeds smoothed by an exponential
     moving average (``smoothing`` is the weight of the past; 0 trusts the newest
-    measurement alone). Once the shares move by at most ``tolerance`` of the total
-    for ``patience`` updates in a row the allocation is *stable*, and, as the paper
-    does, re-planning stops (unless ``freeze_when_stable`` is False).
+    measurement alone). A re-plan is applied only if it pays: if the predicted step
+    time under the new shares is at least ``tolerance`` (a fraction) below the
+    measured one; otherwise the shares stay, so timing noise on equal workers moves
+    nothing. After ``patience`` calm updates in a row the allocation is *stable*
+    and, as the paper does, re-planning stops (unless ``freeze_when_stable`` is False).
 
     The allocator is pure state: the caller gathers the times from every rank, and
     every rank holding the same times computes the same shares.
@@ -96,10 +100,15 @@ class AdaptiveAllocator:
         if self.speeds is not None and self.smoothing:
             speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, speeds)]
         self.speeds = speeds
-        new_shares = apportion(speeds, self.total, self.minimum)
-        largest_move = max(abs(new - old) for new, old in zip(new_shares, self.shares))
-        self.calm_updates = self.calm_updates + 1 if largest_move <= self.tolerance * self.total else 0
-        self.shares = new_shares
+        new_shares = apportion_min_max(speeds, self.total, self.minimum)
+        measured_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
+        predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
+        too_small_a_gain = self.tolerance > 0 and predicted_step_s > (1.0 - self.tolerance) * measured_step_s
+        if too_small_a_gain or new_shares == self.shares:
+            self.calm_updates += 1
+        else:
+            self.calm_updates = 0
+            self.shares = new_shares
         self.updates += 1
         return list(self.shares)
 

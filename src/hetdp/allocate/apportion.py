@@ -19,6 +19,33 @@ def apportion(weights: Sequence[float], total: int, minimum: int = 1) -> list[in
         ConfigError: a weight is negative or not finite, all weights are zero, or
             ``total < minimum * len(weights)``.
     """
+    quotas, shares = _quotas(weights, total, minimum)
+    # Largest remainders first; ties go to the larger weight, then the lower index, for determinism.
+    order = sorted(range(len(shares)), key=lambda i: (-(quotas[i] - shares[i]), -weights[i], i))
+    for index in order[: total - sum(shares)]:
+        shares[index] += 1
+    return shares
+
+
+def apportion_min_max(speeds: Sequence[float], total: int, minimum: int = 1) -> list[int]:
+    """Like ``apportion``, but the leftover units go where they cost the least time.
+
+    Each share is still the floor or the ceiling of its proportional value, but of
+    those roundings this one minimizes the slowest rank's time ``share / speed``:
+    each leftover unit goes to the rank whose time after taking it is smallest.
+    That is what a step waits for, so the adaptive allocator rounds this way.
+    """
+    _, shares = _quotas(speeds, total, minimum)
+    at_floor = [i for i in range(len(shares)) if speeds[i] > 0]
+    for _ in range(total - sum(shares)):
+        best = min(at_floor, key=lambda i: ((shares[i] + 1) / speeds[i], i))
+        shares[best] += 1
+        at_floor.remove(best)
+    return shares
+
+
+def _quotas(weights: Sequence[float], total: int, minimum: int) -> tuple[list[float], list[int]]:
+    """Validate; return each share's exact proportional value and its floor (minimum included)."""
     count = len(weights)
     if count == 0:
         raise ConfigError("apportion needs at least one weight")
@@ -32,13 +59,6 @@ def apportion(weights: Sequence[float], total: int, minimum: int = 1) -> list[in
     weight_sum = math.fsum(weights)
     if weight_sum <= 0:
         raise ConfigError(f"weights must not all be zero, got {list(weights)}")
-
     spare = total - minimum * count
-    quotas = [spare * weight / weight_sum for weight in weights]
-    shares = [math.floor(quota) for quota in quotas]
-    leftover = spare - sum(shares)
-    # Largest remainders first; ties go to the larger weight, then the lower index, for determinism.
-    order = sorted(range(count), key=lambda i: (-(quotas[i] - shares[i]), -weights[i], i))
-    for index in order[:leftover]:
-        shares[index] += 1
-    return [share + minimum for share in shares]
+    quotas = [minimum + spare * weight / weight_sum for weight in weights]
+    return quotas, [math.floor(quota) for quota in quotas]

@@ -5,5 +5,8 @@ figures) and ``render(result) -> str`` (the table). ``hetdp bench`` adds the
 common ``--quick``, ``--json PATH`` and ``--seed`` flags to every one.
 """
 
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "allocation": "equal vs static vs adaptive task allocation on emulated unequal workers",
+    "cadp": "C-ADP vs equal-split DDP and local SGD on emulated geo-distributed devices (digits at 150 KB/sample)",
+}
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from hetdp.errors import HetDPError
 
-COMMANDS = ("run", "bench")
+COMMANDS = ("demo", "run", "bench")
 """Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
 
 

@@ -1,0 +1,257 @@
+"""Equal vs static vs adaptive task allocation on emulated unequal workers (task-allocation paper).
+
+One launch of N local ranks trains the digits ConvNet once per policy (same
+initial model, same data, same global batch), so every ratio below is measured
+in one run. It also compares adaptive allocation against plain DDP on equal
+speeds, epoch by epoch alternately, to measure hetdp's own overhead.
+
+Run as a module under torchrun it is the worker; imported, it is the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from hetdp.cluster.emulate import Emulation, parse_speeds
+from hetdp.datasets import Split, load_digits
+from hetdp.errors import ConfigError, HetDPError
+from hetdp.launch import run_local
+from hetdp.models import ConvNet
+from hetdp.report import format_table
+from hetdp.runtime import init_distributed
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, accuracy
+
+DEFAULT_SPEEDS = "1,1,2,4"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
+    parser.add_argument("--epochs", type=int, help="epochs per policy (default 12, quick 6)")
+    parser.add_argument("--sample-cost-ms", type=float, default=4.0, help="emulated ms per sample at speed 1")
+    parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
+    parser.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward")
+    parser.add_argument("--replan-every", type=int, default=2, help="steps between adaptive re-plans (0: per epoch)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    speeds = parse_speeds(args.speeds)
+    epochs = args.epochs or (6 if args.quick else 12)
+    if epochs < 2:
+        raise ConfigError(f"--epochs must be >= 2 to measure a steady state, got {epochs}")
+    raw = run_experiment(
+        speeds,
+        policies=("equal", "static", "adaptive"),
+        epochs=epochs,
+        sample_cost_ms=args.sample_cost_ms,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        replan_every=args.replan_every,
+        homogeneous_epochs=4 if args.quick else 8,
+        seed=args.seed,
+    )
+    return summarize(speeds, raw)
+
+
+def run_experiment(speeds: tuple[float, ...], *, policies: tuple[str, ...], epochs: int, sample_cost_ms: float,
+                   global_batch: int, micro_batch: int, replan_every: int, homogeneous_epochs: int = 0,
+                   seed: int = 0, lr: float = 0.05, output: Path | None = None) -> dict[str, Any]:
+    """Launch the worker on ``len(speeds)`` local ranks and return what rank 0 recorded."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = Path(output or folder) / "allocation-raw.json"
+        args = [
+            "--out", result_path, "--speeds", ",".join(map(str, speeds)), "--policies", ",".join(policies),
+            "--epochs", epochs, "--sample-cost-ms", sample_cost_ms, "--global-batch", global_batch,
+            "--micro-batch", micro_batch, "--replan-every", replan_every, "--homogeneous-epochs", homogeneous_epochs,
+            "--seed", seed, "--lr", lr,
+        ]
+        completed = run_local("hetdp.bench.allocation", len(speeds), args, module=True)
+        if completed.returncode != 0 or not result_path.is_file():
+            raise HetDPError(f"allocation workers failed (exit code {completed.returncode}); see their output above")
+        return json.loads(result_path.read_text())
+
+
+def steady_epoch_s(rows: list[dict[str, Any]]) -> float:
+    """Mean epoch time over the second half of the epochs, once adaptive shares have settled."""
+    tail = rows[len(rows) // 2 :]
+    return statistics.fmean(row["epoch_s"] for row in tail)
+
+
+def epochs_to_stable(rows: list[dict[str, Any]]) -> float:
+    """Fractional epoch at which the shares last changed (0 if they never did)."""
+    last = 0.0
+    for row in rows:
+        for step, _ in row["replans"]:
+            last = row["epoch"] + step / row["steps"]
+    return last
+
+
+def summarize(speeds: tuple[float, ...], raw: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's figures from the workers' per-epoch rows."""
+    runs = raw["runs"]
+    ideal = sum(speeds) / (len(speeds) * min(speeds))
+    equal_s = steady_epoch_s(runs["equal"])
+    speedup = equal_s / steady_epoch_s(runs["adaptive"])
+    result: dict[str, Any] = {
+        "speeds": list(speeds),
+        "nproc": len(speeds),
+        "epochs": len(runs["equal"]),
+        "ideal_speedup": ideal,
+        "speedup_vs_equal": speedup,
+        "efficiency": speedup / ideal,
+        "speedup_static_vs_equal": equal_s / steady_epoch_s(runs["static"]),
+        "epochs_to_stable": epochs_to_stable(runs["adaptive"]),
+        "final_shares": runs["adaptive"][-1]["shares"],
+        "accuracy_equal": runs["equal"][-1]["accuracy"],
+        "accuracy_static": runs["static"][-1]["accuracy"],
+        "accuracy_adaptive": runs["adaptive"][-1]["accuracy"],
+        "steady_epoch_s": {policy: steady_epoch_s(rows) for policy, rows in runs.items()},
+        "settings": raw["settings"],
+        "runs": runs,
+    }
+    if raw.get("homogeneous"):
+        plain = statistics.median(raw["homogeneous"]["plain_ddp_epoch_s"])
+        ours = statistics.median(raw["homogeneous"]["adaptive_epoch_s"])
+        result["overhead_homogeneous"] = ours / plain - 1.0
+        result["homogeneous"] = raw["homogeneous"]
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    rows = [
+        {
+            "policy": policy,
+            "steady epoch s": seconds,
+            "speedup": result["steady_epoch_s"]["equal"] / seconds,
+            "accuracy": result["runs"][policy][-1]["accuracy"],
+            "final shares": result["runs"][policy][-1]["shares"],
+        }
+        for policy, seconds in result["steady_epoch_s"].items()
+    ]
+    lines = [format_table(rows, title=f"task allocation at speeds {result['speeds']}")]
+    lines.append(
+        f"ideal speedup {result['ideal_speedup']:.3f}, adaptive {result['speedup_vs_equal']:.3f} "
+        f"(efficiency {result['efficiency']:.3f}); shares stable after {result['epochs_to_stable']:.2f} epochs"
+    )
+    if "overhead_homogeneous" in result:
+        lines.append(f"overhead vs plain DDP on equal speeds: {100 * result['overhead_homogeneous']:+.1f}%")
+    return "\n".join(lines)
+
+
+# --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="hetdp.bench.allocation")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--speeds", required=True)
+    parser.add_argument("--policies", required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--sample-cost-ms", type=float, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--micro-batch", type=int, required=True)
+    parser.add_argument("--replan-every", type=int, required=True)
+    parser.add_argument("--homogeneous-epochs", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args(argv)
+
+    rank, world_size = init_distributed()
+    torch.set_num_threads(1)
+    speeds = parse_speeds(args.speeds, world_size)
+    split = load_digits(seed=args.seed)
+    emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=args.seed)
+    policies = args.policies.split(",")
+    total = len(policies) * args.epochs + 2 * args.homogeneous_epochs
+    progress = tqdm(total=total, desc="epochs", unit="epoch", disable=None if rank == 0 else True, file=sys.stderr)
+
+    runs = {policy: _train_policy(policy, args, split, emulation, progress) for policy in policies}
+    homogeneous = _compare_with_plain_ddp(args, split, progress) if args.homogeneous_epochs else None
+    progress.close()
+    if rank == 0:
+        settings = {key: value for key, value in vars(args).items() if key != "out"}
+        args.out.write_text(json.dumps({"settings": settings, "runs": runs, "homogeneous": homogeneous}))
+
+
+def _new_model(seed: int) -> ConvNet:
+    torch.manual_seed(seed)
+    return ConvNet()
+
+
+def _train_policy(
+    policy: str, args: argparse.Namespace, split: Split, emulation: Emulation, progress: tqdm
+) -> list[dict]:
+    config = AllocationConfig(
+        policy=policy,
+        weights=emulation.speeds if policy == "static" else None,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        replan_every=args.replan_every,
+        seed=args.seed,
+    )
+    model = _new_model(args.seed)
+    trainer = AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), split.train,
+                               config, emulation=emulation)
+    rows, wall_s = [], 0.0
+    for epoch in range(args.epochs):
+        start_shares = trainer.shares
+        report = trainer.train_epoch(epoch)
+        wall_s += report.epoch_s
+        rows.append({**vars(report), "policy": policy, "start_shares": start_shares, "wall_s": wall_s,
+                     "accuracy": accuracy(model, split.test)})
+        progress.set_postfix(policy=policy, epoch_s=f"{report.epoch_s:.2f}")
+        progress.update()
+    dist.barrier()
+    return rows
+
+
+def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: tqdm) -> dict[str, list[float]]:
+    """Alternate epochs of plain DDP and of adaptive allocation on equal (unemulated) speeds."""
+    world_size = dist.get_world_size()
+    plain_model = DistributedDataParallel(_new_model(args.seed))
+    plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = DistributedSampler(split.train, seed=args.seed)
+    loader = DataLoader(split.train, batch_size=args.global_batch // world_size, sampler=sampler)
+    ours_model = _new_model(args.seed)
+    ours = AllocatedTrainer(
+        ours_model,
+        torch.optim.SGD(ours_model.parameters(), lr=args.lr, momentum=0.9),
+        split.train,
+        AllocationConfig(policy="adaptive", global_batch=args.global_batch, micro_batch=args.global_batch,
+                         replan_every=args.replan_every, seed=args.seed),
+    )
+    plain_s, ours_s = [], []
+    for epoch in range(args.homogeneous_epochs):
+        dist.barrier()
+        started = time.perf_counter()
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            plain_optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(plain_model(inputs), targets).backward()
+            plain_optimizer.step()
+        dist.barrier()
+        plain_s.append(time.perf_counter() - started)
+        progress.update()
+        dist.barrier()
+        started = time.perf_counter()
+        ours.train_epoch(epoch)
+        dist.barrier()
+        ours_s.append(time.perf_counter() - started)
+        progress.update()
+    return {"plain_ddp_epoch_s": plain_s, "adaptive_epoch_s": ours_s}
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
