@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from hetdp.cluster.emulate import Emulation, parse_speeds
-from hetdp.datasets import Split, load_digits
+from hetdp.datasets import DATASETS, Split, load_dataset
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.models import ConvNet
@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward")
     parser.add_argument("--replan-every", type=int, default=2, help="steps between adaptive re-plans (0: per epoch)")
+    add_dataset_arguments(parser)
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dataset and --data-root, shared with `hetdp demo`."""
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="digits", help="training data (default digits)")
+    parser.add_argument("--data-root", type=Path, help="folder of the MNIST / CIFAR-10 files in their standard format")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,22 +68,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replan_every=args.replan_every,
         homogeneous_epochs=4 if args.quick else 8,
         seed=args.seed,
+        dataset=args.dataset,
+        data_root=args.data_root,
     )
     return summarize(speeds, raw)
 
 
 def run_experiment(speeds: tuple[float, ...], *, policies: tuple[str, ...], epochs: int, sample_cost_ms: float,
                    global_batch: int, micro_batch: int, replan_every: int, homogeneous_epochs: int = 0,
-                   seed: int = 0, lr: float = 0.05, output: Path | None = None) -> dict[str, Any]:
+                   seed: int = 0, lr: float = 0.05, dataset: str = "digits",
+                   data_root: Path | None = None) -> dict[str, Any]:
     """Launch the worker on ``len(speeds)`` local ranks and return what rank 0 recorded."""
+    load_dataset(dataset, data_root)  # a bad name or folder fails here, once, not on every rank
     with tempfile.TemporaryDirectory() as folder:
-        result_path = Path(output or folder) / "allocation-raw.json"
+        result_path = Path(folder) / "allocation-raw.json"
         args = [
             "--out", result_path, "--speeds", ",".join(map(str, speeds)), "--policies", ",".join(policies),
             "--epochs", epochs, "--sample-cost-ms", sample_cost_ms, "--global-batch", global_batch,
             "--micro-batch", micro_batch, "--replan-every", replan_every, "--homogeneous-epochs", homogeneous_epochs,
-            "--seed", seed, "--lr", lr,
+            "--seed", seed, "--lr", lr, "--dataset", dataset,
         ]
+        args += ["--data-root", data_root] if data_root else []
         completed = run_local("hetdp.bench.allocation", len(speeds), args, module=True)
         if completed.returncode != 0 or not result_path.is_file():
             raise HetDPError(f"allocation workers failed (exit code {completed.returncode}); see their output above")
@@ -166,12 +178,14 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--homogeneous-epochs", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--data-root", type=Path)
     args = parser.parse_args(argv)
 
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
     speeds = parse_speeds(args.speeds, world_size)
-    split = load_digits(seed=args.seed)
+    split = load_dataset(args.dataset, args.data_root, seed=args.seed)
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=args.seed)
     policies = args.policies.split(",")
     total = len(policies) * args.epochs + 2 * args.homogeneous_epochs
@@ -185,9 +199,10 @@ def _worker(argv: list[str]) -> None:
         args.out.write_text(json.dumps({"settings": settings, "runs": runs, "homogeneous": homogeneous}))
 
 
-def _new_model(seed: int) -> ConvNet:
+def _new_model(seed: int, split: Split) -> ConvNet:
     torch.manual_seed(seed)
-    return ConvNet()
+    channels, size, _ = split.image_shape
+    return ConvNet(in_channels=channels, image_size=size, num_classes=split.num_classes)
 
 
 def _train_policy(
@@ -201,7 +216,7 @@ def _train_policy(
         replan_every=args.replan_every,
         seed=args.seed,
     )
-    model = _new_model(args.seed)
+    model = _new_model(args.seed, split)
     trainer = AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), split.train,
                                config, emulation=emulation)
     rows, wall_s = [], 0.0
@@ -220,11 +235,11 @@ def _train_policy(
 def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: tqdm) -> dict[str, list[float]]:
     """Alternate epochs of plain DDP and of adaptive allocation on equal (unemulated) speeds."""
     world_size = dist.get_world_size()
-    plain_model = DistributedDataParallel(_new_model(args.seed))
+    plain_model = DistributedDataParallel(_new_model(args.seed, split))
     plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(split.train, seed=args.seed)
     loader = DataLoader(split.train, batch_size=args.global_batch // world_size, sampler=sampler)
-    ours_model = _new_model(args.seed)
+    ours_model = _new_model(args.seed, split)
     ours = AllocatedTrainer(
         ours_model,
         torch.optim.SGD(ours_model.parameters(), lr=args.lr, momentum=0.9),

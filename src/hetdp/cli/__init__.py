@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from hetdp.errors import HetDPError
 
-COMMANDS = ("demo", "run", "bench")
+COMMANDS = ("demo", "run", "probe", "bench")
 """Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
 
 
@@ -43,7 +43,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"hetdp {args.command}: error: {first_line}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

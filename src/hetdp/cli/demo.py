@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetdp.bench.allocation import run_experiment, steady_epoch_s
+from hetdp.bench.allocation import add_dataset_arguments, run_experiment, steady_epoch_s
 from hetdp.cluster.emulate import parse_speeds
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sample-cost-ms", type=float, default=8.0, help="emulated ms per sample at speed 1")
     parser.add_argument("--out", type=Path, default=Path("hetdp-out/demo"), help="folder for plots and figures")
     parser.add_argument("--seed", type=int, default=0)
+    add_dataset_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         replan_every=2,
         seed=args.seed,
         lr=0.1,
+        dataset=args.dataset,
+        data_root=args.data_root,
     )
     runs = raw["runs"]
     rows = [

@@ -1,0 +1,64 @@
+"""`hetdp run` / `hetdp demo` on bad input: exit code 2 and one line naming the problem, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hetdp.cli import main
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('never run')\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speeds", "0"], "speeds must be positive numbers, got '0' (rank 0)"),
+        (["--speeds", "-1"], "speeds must be positive numbers, got '-1' (rank 0)"),
+        (["--speeds", "abc"], "speeds must be positive numbers, got 'abc' (rank 0)"),
+        (["--speeds", "1,2,3"], "--speeds gives 3 values for 2 processes"),
+        (["--speeds", "1,nan"], "got 'nan' (rank 1)"),
+        (["--stragglers", "x"], "stragglers must look like K:DELAY_MS"),
+        (["--stragglers", "3:10"], "--stragglers asks for 3 delayed ranks among 2 processes"),
+    ],
+)
+def test_bad_emulation_flags_exit_2_with_one_line(capsys, script, flags, message):
+    code, err = run_cli(capsys, "run", "-n", "2", *flags, str(script))
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["run", "-n", "2", "missing.py"], "script not found: missing.py"),
+    (["run", "-n", "0", "x.py"], "expected a positive integer, got '0'"),
+    (["demo", "--speeds", "2,0"], "got '0' (rank 1)"),
+    (["demo", "--epochs", "1"], "--epochs must be >= 2"),
+    (["demo", "--dataset", "mnist"], "needs --data-root"),
+    (["bench", "allocation", "--speeds", "1,x"], "got 'x' (rank 1)"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+    code, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err
+
+
+def test_the_installed_command_prints_no_traceback():
+    completed = subprocess.run(
+        [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--speeds", "1,0", "train.py"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr == "hetdp run: error: speeds must be positive numbers, got '0' (rank 1)\n"
