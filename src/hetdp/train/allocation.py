@@ -108,16 +108,39 @@ class EpochReport:
 
 
 class _SyncClock:
-    """Remembers when the last gradient bucket became ready: the end of this rank's compute."""
+    """When this rank's last gradient bucket became ready: the end of its compute, before any waiting.
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    On CUDA the times come from events on the device's timeline, since the host
+    only queues kernels; on the CPU from the host clock.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
-        self.ready_at = 0.0
+        self.events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        )
+        self.started_at = self.ready_at = 0.0
+
+    def start(self) -> None:
+        self.started_at = self.ready_at = time.perf_counter()
+        if self.events:
+            self.events[0].record()
+
+    def mark_ready(self) -> None:
+        self.ready_at = time.perf_counter()
+        if self.events:
+            self.events[1].record()
+
+    def compute_s(self) -> float:
+        """Seconds from ``start`` to the last ``mark_ready``; call after synchronizing the device."""
+        if self.events:
+            return self.events[0].elapsed_time(self.events[1]) / 1000.0
+        return self.ready_at - self.started_at
 
 
 def _timed_sum_allreduce(clock, bucket):  # no annotations: DDP checks them as types, and here they'd be strings
     """DDP comm hook: sum gradients (the loss is pre-scaled by the global sample count), noting the time."""
-    clock.ready_at = time.perf_counter()
+    clock.mark_ready()
     work = dist.all_reduce(bucket.buffer(), group=clock.group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
 
@@ -185,7 +208,7 @@ class AllocatedTrainer:
         self.device = local_device()
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(model.to(self.device), device_ids=device_ids, process_group=group)
-        self._clock = _SyncClock(group)
+        self._clock = _SyncClock(group, self.device)
         self.model.register_comm_hook(self._clock, _timed_sum_allreduce)
         self.allocator = AdaptiveAllocator(
             self.world_size,
@@ -287,10 +310,11 @@ class AllocatedTrainer:
         if straggle_s:
             time.sleep(straggle_s)
         self._step_count += 1
+        self._clock.start()
         self.optimizer.zero_grad()
         chunk = self.config.chunk_size(self.rank, len(indices))
         pieces = [indices[i : i + chunk] for i in range(0, len(indices), chunk)] or [[]]
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=self.device)
         for number, piece in enumerate(pieces):
             last = number == len(pieces) - 1
             inputs, targets = (t.to(self.device) for t in fetch(self.dataset, piece))
@@ -298,7 +322,7 @@ class AllocatedTrainer:
                 outputs = self.model(inputs)
                 if piece:
                     loss = self.loss_fn(outputs, targets)
-                    loss_sum += float(loss.detach()) * len(piece)
+                    loss_sum += loss.detach() * len(piece)
                     scaled = loss * (len(piece) / global_count)
                 else:  # a rank with no samples this step still joins the allreduce, with zero gradients
                     scaled = outputs.sum() * 0.0
@@ -306,10 +330,10 @@ class AllocatedTrainer:
                     self._pad(started, len(indices))
                 scaled.backward()
         synchronize(self.device)
-        finished = time.perf_counter()
+        step_s = time.perf_counter() - started
         self.optimizer.step()
-        compute_end = min(max(self._clock.ready_at, started), finished)
-        return compute_end - started, finished - compute_end, loss_sum
+        compute_s = min(self._clock.started_at - started + self._clock.compute_s(), step_s)
+        return compute_s, step_s - compute_s, float(loss_sum)
 
     def _pad(self, started: float, samples: int) -> None:
         """Emulated slowness: sleep before the last backward, so the allreduce starts when the slow device would."""
