@@ -10,6 +10,7 @@ from hetdp.cluster.emulate import parse_speeds
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
 from hetdp.report import format_table, write_allocation_plots
+from hetdp.train.allocation import diagnose_straggler
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -69,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
         f"\nsteady epoch: equal {equal_s:.2f} s, adaptive {adaptive_s:.2f} s: speedup {equal_s / adaptive_s:.2f}x "
         f"of an ideal {ideal:.2f}x; accuracy {runs['equal'][-1]['accuracy']:.3f} vs {runs['adaptive'][-1]['accuracy']:.3f}"
     )
+    for policy, policy_rows in runs.items():
+        print(f"{policy}, last epoch: {diagnose_straggler(policy_rows[-1]['compute_s'], policy_rows[-1]['wait_s'])}")
     paths = write_allocation_plots(runs, args.out)
     write_json(args.out / "demo.json", raw)
     print(f"plots and figures in {args.out}/: {', '.join(path.name for path in paths)}, demo.json")
     return 0
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -105,6 +106,31 @@ class EpochReport:
     replans: list[tuple[int, list[int]]] = field(default_factory=list)
     """Each re-plan that changed the shares: (steps of this epoch done before it, the new shares)."""
     stable: bool = False
+
+    def diagnosis(self) -> str:
+        """Which rank held the epoch back, and whether by computing or by communicating."""
+        return diagnose_straggler(self.compute_s, self.wait_s)
+
+
+def diagnose_straggler(compute_s: Sequence[float], wait_s: Sequence[float]) -> str:
+    """Name the rank that held a synchronous run back, and whether by compute or by communication.
+
+    The slowest computer is the straggler if its extra compute over the median rank
+    exceeds the time every rank spends in the allreduce itself (the smallest wait);
+    otherwise the step is bound by communication.
+    """
+    slowest = max(range(len(compute_s)), key=compute_s.__getitem__)
+    extra_s = compute_s[slowest] - statistics.median(compute_s)
+    comm_s = min(wait_s)
+    if extra_s > comm_s:
+        return (
+            f"rank {slowest} is the straggler, by compute: {compute_s[slowest]:.2f} s computing, "
+            f"{extra_s:.2f} s more than the median rank; the others wait up to {max(wait_s):.2f} s"
+        )
+    return (
+        f"no compute straggler: communication-bound, every rank spends at least {comm_s:.2f} s "
+        f"in the allreduce, more than the {extra_s:.2f} s compute spread"
+    )
 
 
 class _SyncClock:

@@ -1,0 +1,11 @@
+from hetdp.train.allocation import diagnose_straggler
+
+
+def test_a_slow_computer_is_named_as_the_compute_straggler():
+    verdict = diagnose_straggler(compute_s=[2.9, 1.5, 1.4, 0.7], wait_s=[0.2, 1.6, 1.7, 2.4])
+    assert verdict.startswith("rank 0 is the straggler, by compute")
+
+
+def test_balanced_compute_with_long_allreduces_is_communication_bound():
+    verdict = diagnose_straggler(compute_s=[1.50, 1.52, 1.47, 1.42], wait_s=[0.9, 0.95, 1.0, 1.1])
+    assert verdict.startswith("no compute straggler: communication-bound")
