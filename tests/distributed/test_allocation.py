@@ -69,3 +69,10 @@ def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):
     assert shares[0] < shares[1] < shares[2]
     for share, ideal in zip(shares, apportion((1.0, 2.0, 4.0), 70)):
         assert abs(share - ideal) <= 0.15 * ideal, (shares, "expected about", apportion((1.0, 2.0, 4.0), 70))
+
+
+def test_a_hung_peer_ends_in_peer_timeout_error_not_a_hang(torchrun):
+    result = torchrun("allocation_hang_worker.py", 3, expect_rc=None, timeout_s=50)
+    assert result.returncode != 0
+    assert "hetdp.errors.PeerTimeoutError: rank" in result.stdout
+    assert "failed within step_timeout_s=3: a peer died or hung" in result.stdout

@@ -40,7 +40,7 @@ DEFAULT_SPEEDS = "1,1,2,4"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
     parser.add_argument("--epochs", type=int, help="epochs per policy (default 12, quick 6)")
-    parser.add_argument("--sample-cost-ms", type=float, default=4.0, help="emulated ms per sample at speed 1")
+    parser.add_argument("--sample-cost-ms", type=float, default=8.0, help="emulated ms per sample at speed 1")
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward")
     parser.add_argument("--replan-every", type=int, default=2, help="steps between adaptive re-plans (0: per epoch)")

@@ -8,10 +8,12 @@ shares are equal, static or re-planned from measured compute times.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +27,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.emulate import Emulation
-from hetdp.errors import CheckpointError, ConfigError
+from hetdp.errors import CheckpointError, ConfigError, PeerTimeoutError
 from hetdp.runtime import local_device, synchronize
 from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -64,6 +66,9 @@ class AllocationConfig:
     """Seed of the per-epoch shuffle; every rank must use the same."""
     drop_last: bool = False
     """Drop the epoch's last, partial step instead of splitting it by the shares."""
+    step_timeout_s: float = 60.0
+    """Seconds a step's collectives may wait for the slowest rank; past it a dead or hung peer raises
+    PeerTimeoutError instead of hanging. Too small: a slow but healthy step raises too."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("equal", "static", "adaptive"):
@@ -77,6 +82,8 @@ class AllocationConfig:
             raise ConfigError(f"replan_every must be >= 0 steps, got {self.replan_every}")
         if self.policy == "static" and self.weights is None:
             raise ConfigError("policy 'static' needs weights, one per rank")
+        if not self.step_timeout_s > 0:
+            raise ConfigError(f"step_timeout_s must be > 0 seconds, got {self.step_timeout_s!r}")
         if self.max_batch is not None and min(self.max_batch) < 1:
             raise ConfigError(f"max_batch must be >= 1 per rank, got {list(self.max_batch)}")
 
@@ -215,6 +222,9 @@ class AllocatedTrainer:
         emulation: Emulation | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        """Wrap ``model`` in DDP over ``group`` (default: a new group of all ranks with the step timeout)."""
+        if group is None:
+            group = dist.new_group(timeout=datetime.timedelta(seconds=config.step_timeout_s))
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         for name in ("weights", "max_batch"):
@@ -326,7 +336,8 @@ class AllocatedTrainer:
         """All ranks' ``values`` as a world_size x len(values) CPU tensor (float64)."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.group)
+        with self._collective("gathering per-rank figures"):
+            dist.all_gather(rows, mine, group=self.group)
         return torch.stack(rows).cpu()
 
     def _step(self, indices: list[int], global_count: int) -> tuple[float, float, float]:
@@ -354,12 +365,32 @@ class AllocatedTrainer:
                     scaled = outputs.sum() * 0.0
                 if last:
                     self._pad(started, len(indices))
-                scaled.backward()
+                    with self._collective(f"step {self._step_count}'s gradient allreduce"):
+                        scaled.backward()
+                else:
+                    scaled.backward()
         synchronize(self.device)
         step_s = time.perf_counter() - started
         self.optimizer.step()
         compute_s = min(self._clock.started_at - started + self._clock.compute_s(), step_s)
         return compute_s, step_s - compute_s, float(loss_sum)
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Turn a collective that failed because a peer died or timed out into a PeerTimeoutError."""
+        try:
+            yield
+        except RuntimeError as error:
+            text = str(error)
+            if not (isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text):
+                raise
+            timeout_s = self.config.step_timeout_s
+            raise PeerTimeoutError(
+                f"rank {self.rank}: {what} failed within step_timeout_s={timeout_s:g}: a peer died or hung "
+                f"({text.splitlines()[0] if text else type(error).__name__})",
+                rank=self.rank,
+                timeout_s=timeout_s,
+            ) from error
 
     def _pad(self, started: float, samples: int) -> None:
         """Emulated slowness: sleep before the last backward, so the allreduce starts when the slow device would."""
