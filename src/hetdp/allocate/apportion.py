@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -36,11 +37,10 @@ def apportion_min_max(speeds: Sequence[float], total: int, minimum: int = 1) -> 
     That is what a step waits for, so the adaptive allocator rounds this way.
     """
     _, shares = _quotas(speeds, total, minimum)
-    at_floor = [i for i in range(len(shares)) if speeds[i] > 0]
-    for _ in range(total - sum(shares)):
-        best = min(at_floor, key=lambda i: ((shares[i] + 1) / speeds[i], i))
-        shares[best] += 1
-        at_floor.remove(best)
+    # Each rank is rounded up at most once: the leftover units go to the ranks whose time after one more is least.
+    cost_of_one_more = [((shares[i] + 1) / speeds[i], i) for i in range(len(shares)) if speeds[i] > 0]
+    for _, index in heapq.nsmallest(total - sum(shares), cost_of_one_more):
+        shares[index] += 1
     return shares
 
 

@@ -1,0 +1,1 @@
+"""Step-level simulation of the strategies on many unequal workers, at scales no machine here has."""

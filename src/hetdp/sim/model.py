@@ -1,0 +1,153 @@
+"""Simulate synchronous (equal / static / adaptive) and partial (solo / majority / quorum) data parallelism.
+
+Each worker's compute time for a share is ``share / speed``, times log-normal
+jitter, plus a straggler delay drawn per step; the allreduce costs a ring's
+``2 (N - 1)`` latencies plus ``2 (N - 1) / N`` model transfers. The adaptive
+policy runs the library's own :class:`~hetdp.allocate.adaptive.AdaptiveAllocator`,
+so the simulation checks the rule itself at N = 1,000 and beyond.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from hetdp.allocate.adaptive import AdaptiveAllocator
+from hetdp.allocate.apportion import apportion
+from hetdp.errors import ConfigError
+
+Strategy = Literal["equal", "static", "adaptive", "solo", "majority", "quorum"]
+STRATEGIES: tuple[str, ...] = ("equal", "static", "adaptive", "solo", "majority", "quorum")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SimulatedCluster:
+    """Unequal workers joined by a ring allreduce."""
+
+    speeds: tuple[float, ...]
+    """Samples per second of each worker."""
+    jitter: float = 0.05
+    """Sigma of the log-normal noise on every compute time (0: deterministic)."""
+    straggler_probability: float = 0.0
+    """Chance that a worker is delayed at a given step."""
+    straggler_delay_s: float = 0.0
+    """Seconds a delayed worker loses."""
+    latency_s: float = 50e-6
+    """Per-hop latency of the allreduce."""
+    bandwidth_gbps: float = 10.0
+    """Link bandwidth of the allreduce, gigabits per second."""
+    model_mb: float = 40.0
+    """Size of the gradient, megabytes."""
+
+    def __post_init__(self) -> None:
+        if not self.speeds or min(self.speeds) <= 0 or not all(map(math.isfinite, self.speeds)):
+            raise ConfigError(f"speeds must be positive samples per second, got {list(self.speeds)[:8]}")
+        if not 0.0 <= self.straggler_probability <= 1.0:
+            raise ConfigError(f"straggler_probability must be in [0, 1], got {self.straggler_probability!r}")
+        for name in ("jitter", "straggler_delay_s", "latency_s", "model_mb"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.bandwidth_gbps > 0:
+            raise ConfigError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps!r}")
+
+    @property
+    def size(self) -> int:
+        return len(self.speeds)
+
+    def allreduce_s(self) -> float:
+        """Ring allreduce time: 2 (N - 1) latencies and 2 (N - 1) / N of the gradient over a link."""
+        n = self.size
+        transfer_s = self.model_mb * 8e6 / (self.bandwidth_gbps * 1e9)
+        return 2 * (n - 1) * self.latency_s + 2 * (n - 1) / n * transfer_s
+
+    def compute_s(self, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One step's compute time of every worker for ``shares`` samples, noise and stragglers included."""
+        noise = rng.lognormal(0.0, self.jitter, self.size) if self.jitter else 1.0
+        delayed = rng.random(self.size) < self.straggler_probability
+        return shares / np.asarray(self.speeds) * noise + delayed * self.straggler_delay_s
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    strategy: str
+    steps: int
+    seconds: float
+    """Simulated wall-clock seconds for all steps."""
+    samples_per_s: float
+    """Gradient samples computed and applied per second."""
+    fresh_fraction: float
+    """Share of contributions that were computed on the current model (1 for synchronous strategies)."""
+    final_shares: list[int]
+
+
+def simulate(
+    cluster: SimulatedCluster,
+    strategy: Strategy,
+    *,
+    global_batch: int,
+    steps: int,
+    replan_every: int = 10,
+    quorum: int | None = None,
+    seed: int = 0,
+) -> SimulationResult:
+    """Run ``steps`` steps of ``strategy`` on ``cluster`` and measure its throughput."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if steps < 1 or global_batch < cluster.size:
+        raise ConfigError(f"need steps >= 1 and global_batch >= {cluster.size} workers, got {steps}, {global_batch}")
+    rng = np.random.default_rng(seed)
+    if strategy in ("solo", "majority", "quorum"):
+        return _simulate_partial(cluster, strategy, global_batch, steps, quorum, rng)
+    return _simulate_synchronous(cluster, strategy, global_batch, steps, replan_every, rng)
+
+
+def _simulate_synchronous(
+    cluster: SimulatedCluster, strategy: str, global_batch: int, steps: int, replan_every: int, rng: np.random.Generator
+) -> SimulationResult:
+    weights = list(cluster.speeds) if strategy == "static" else None
+    allocator = AdaptiveAllocator(cluster.size, global_batch, initial=weights)
+    allreduce_s = cluster.allreduce_s()
+    clock_s, window = 0.0, np.zeros(cluster.size)
+    for step in range(1, steps + 1):
+        compute = cluster.compute_s(np.asarray(allocator.shares, dtype=float), rng)
+        clock_s += compute.max() + allreduce_s
+        window += compute
+        if strategy == "adaptive" and step % replan_every == 0:
+            allocator.update(window.tolist())
+            window[:] = 0.0
+    return SimulationResult(strategy, steps, clock_s, steps * global_batch / clock_s, 1.0, allocator.shares)
+
+
+def _simulate_partial(
+    cluster: SimulatedCluster, mode: str, global_batch: int, steps: int, quorum: int | None, rng: np.random.Generator
+) -> SimulationResult:
+    """Eager-SGD: a round fires on the first arrival (solo), a random initiator's (majority) or the k-th (quorum).
+
+    Workers ready when it fires contribute and start their next gradient from its
+    result; the others keep computing and join a later round, stale if a round
+    passed since their model. (Simplification: a late worker restarts after the
+    round it joins, as an on-time one does, so partial modes are not flattered.)
+    """
+    shares = np.asarray(apportion([1.0] * cluster.size, global_batch), dtype=float)
+    k = {"solo": 1, "quorum": quorum or (cluster.size + 1) // 2}.get(mode)
+    if k is not None and not 1 <= k <= cluster.size:
+        raise ConfigError(f"quorum must be in [1, {cluster.size}], got {k}")
+    allreduce_s = cluster.allreduce_s()
+    ready_at = cluster.compute_s(shares, rng)
+    model_round = np.zeros(cluster.size, dtype=int)  # the round whose result each pending gradient started from
+    round_end_s, fresh, contributions = 0.0, 0, 0
+    for number in range(steps):
+        fire_s = np.partition(ready_at, k - 1)[k - 1] if k else ready_at[rng.integers(cluster.size)]
+        fire_s = max(fire_s, round_end_s)
+        round_end_s = fire_s + allreduce_s
+        arrived = ready_at <= fire_s
+        contributions += int(arrived.sum())
+        fresh += int((arrived & (model_round == number)).sum())
+        ready_at = np.where(arrived, round_end_s + cluster.compute_s(shares, rng), ready_at)
+        model_round = np.where(arrived, number + 1, model_round)
+    samples = contributions * shares.mean()
+    return SimulationResult(mode, steps, round_end_s, samples / round_end_s, fresh / max(contributions, 1),
+                            shares.astype(int).tolist())
