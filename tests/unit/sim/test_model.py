@@ -22,7 +22,7 @@ def test_adaptive_allocation_reaches_the_combined_speed_when_compute_bound(speed
     cluster = SimulatedCluster(speeds=tuple(speeds), **COMPUTE_BOUND)
     result = simulate(cluster, "adaptive", global_batch=4000, steps=200, replan_every=1)  # one equal step first
     assert result.samples_per_s >= 0.95 * sum(speeds)
-    assert throughput(cluster, "equal", global_batch=4000) <= len(speeds) * min(speeds) * 1.001
+    assert throughput(cluster, "equal", global_batch=4000) <= len(speeds) * min(speeds) * 1.01  # up to rounding
 
 
 def test_partial_rounds_wait_for_fewer_workers_than_synchronous_steps():
