@@ -8,21 +8,39 @@ synchronization (how contributions combine: allreduce, partial, local).
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
+from hetdp.allocate.planner import DevicePlan, Plan, plan
 from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.emulate import Emulation, Link
+from hetdp.cluster.probe import ProbeConfig, probe_cluster
+from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, init_distributed
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, EpochReport
+from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
 
 __all__ = [
     "AdaptiveAllocator",
+    "AllocatedTrainer",
+    "AllocationConfig",
+    "CadpConfig",
+    "CadpResult",
     "CheckpointError",
+    "ClusterSpec",
     "ConfigError",
+    "DevicePlan",
+    "DeviceSpec",
     "Emulation",
+    "EpochReport",
     "HetDPError",
     "Link",
     "PeerTimeoutError",
+    "Plan",
+    "ProbeConfig",
     "Timeouts",
     "WeightedDistributedSampler",
     "apportion",
     "init_distributed",
+    "plan",
+    "probe_cluster",
+    "train_cadp",
 ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetdp.errors import ConfigError
+from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +70,30 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so that a wall-clock reading measures finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wait_for(work: dist.Work, what: str, timeout_s: float) -> None:
+    """Wait for an asynchronous collective or transfer; a silent peer becomes a PeerTimeoutError.
+
+    Raises:
+        PeerTimeoutError: ``what`` did not finish within ``timeout_s`` seconds.
+    """
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        rank = dist.get_rank() if dist.is_initialized() else None
+        raise PeerTimeoutError(
+            f"rank {rank}: {what} did not finish within {timeout_s:.4g} s (a peer died or is stuck): {error}",
+            rank=rank,
+            timeout_s=timeout_s,
+        ) from error
+
+
+def barrier(group: dist.ProcessGroup | None = None, timeout_s: float = Timeouts.round_s) -> None:
+    """Wait until every rank of ``group`` gets here, at most ``timeout_s`` seconds (any backend)."""
+    wait_for(dist.all_reduce(torch.zeros(1, device=local_device()), group=group, async_op=True), "barrier", timeout_s)
+
+
+def global_rank(rank: int, group: dist.ProcessGroup | None = None) -> int:
+    """The default-group rank of ``rank`` in ``group``, which point-to-point calls and ``src`` arguments take."""
+    return rank if group is None else dist.get_global_rank(group, rank)

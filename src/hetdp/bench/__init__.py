@@ -8,5 +8,6 @@ common ``--quick``, ``--json PATH`` and ``--seed`` flags to every one.
 BENCHMARKS: dict[str, str] = {
     "allocation": "equal vs static vs adaptive task allocation on emulated unequal workers",
     "cadp": "C-ADP vs equal-split DDP and local SGD on emulated geo-distributed devices (digits at 150 KB/sample)",
+    "planner": "C-ADP planners on random heterogeneous clusters of 8 to 10,000 devices: exact vs ALM, objective and time",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

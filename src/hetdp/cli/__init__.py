@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from hetdp.errors import HetDPError
 
-COMMANDS = ("demo", "run", "probe", "bench")
+COMMANDS = ("demo", "run", "plan", "probe", "bench", "simulate")
 """Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
 
 

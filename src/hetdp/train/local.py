@@ -1,0 +1,338 @@
+"""Local training on the data a rank holds, merged across ranks every epoch or every step.
+
+C-ADP and local SGD train each rank alone for an epoch and merge by weighted
+parameter averaging, w = sum_i (D_i / D) w_i (C-ADP paper, section 3). The same
+loop with a gradient allreduce at every step is synchronous data parallelism
+(DDP), the baseline they are measured against. Emulation paces each batch to a
+device's batch time and each model transfer to its link, so one machine behaves
+like the described cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hetdp.errors import ConfigError
+from hetdp.runtime import global_rank, wait_for
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def merge_weights(samples: Sequence[int]) -> list[float]:
+    """D_i / D for every device: its weight in the C-ADP merge w = sum_i (D_i / D) w_i.
+
+    Raises:
+        ConfigError: a count is negative, or all are zero.
+    """
+    counts = [int(n) for n in samples]
+    if any(n < 0 for n in counts):
+        raise ConfigError(f"sample counts must be >= 0, got {counts}")
+    total = sum(counts)
+    if total == 0:
+        raise ConfigError(f"sample counts must not all be zero, got {counts}")
+    return [n / total for n in counts]
+
+
+def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i weights[i] * tensors[i], computed in float64: the value the distributed merge must give.
+
+    Raises:
+        ConfigError: the counts differ, or the shapes do.
+    """
+    if len(tensors) != len(weights) or not tensors:
+        raise ConfigError(f"need one weight per tensor, got {len(weights)} weights for {len(tensors)} tensors")
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        raise ConfigError(f"tensors to average must share one shape, got {sorted(shapes)}")
+    total = sum(float(w) * t.detach().double() for w, t in zip(weights, tensors))
+    return total.to(tensors[0].dtype)
+
+
+def epoch_order(size: int, *, seed: int, epoch: int, rank: int) -> torch.Tensor:
+    """The order in which ``rank`` visits its ``size`` local samples in ``epoch``: a permutation seeded by all three."""
+    state = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+    return torch.randperm(size, generator=torch.Generator().manual_seed(state))
+
+
+class Pace:
+    """A deadline clock for emulated work: ``wait(s)`` sleeps until ``s`` more seconds have passed.
+
+    Deadlines accumulate from the last ``reset``, so sleep overshoot and Python
+    overhead do not add up over many batches: a phase of k batches of T seconds
+    lasts k T as long as the real work of every prefix is cheaper than that.
+    A disabled pace never sleeps (a real cluster).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._deadline = time.perf_counter()
+
+    def reset(self) -> None:
+        """Start counting from now (after a collective that synchronized the ranks)."""
+        self._deadline = time.perf_counter()
+
+    def wait(self, seconds: float) -> None:
+        """Move the deadline ``seconds`` later and sleep until it."""
+        if not self.enabled:
+            return
+        self._deadline += seconds
+        remaining = self._deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+def _float_state(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a merge averages: parameters and floating-point buffers (counters are left alone)."""
+    tensors = list(model.parameters())
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
+    return tensors
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 vector of all ``tensors``, for a single collective."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+
+
+def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors`` (the inverse of ``_flatten``)."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+class Merge(ABC):
+    """How ranks combine their local training: the loop calls these hooks on every rank in the same order.
+
+    .. warning::
+        Every rank of the group must call the hooks with the same ``steps`` and
+        epochs: each merge is a collective.
+    """
+
+    def __init__(self, *, link_s: float = 0.0, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> None:
+        self.link_s = link_s
+        """Emulated seconds to move the model one way over this rank's link (alpha + M / B); 0 without emulation."""
+        self.group = group
+        self.timeout_s = timeout_s
+        """Longest wait for one merge collective; past it, PeerTimeoutError names this rank."""
+
+    def steps(self, local_batches: int) -> int:
+        """Optimizer steps this rank runs per epoch; it may exceed its batches when steps are collective."""
+        return local_batches
+
+    def start_epoch(self, pace: Pace) -> None:
+        """Before the epoch's first batch."""
+
+    def after_backward(self, model: nn.Module, samples: int, pace: Pace) -> None:
+        """After each backward of ``samples`` samples (0 for a step this rank has no batch for), before the step."""
+
+    def end_epoch(self, model: nn.Module, pace: Pace) -> None:
+        """After the epoch's last optimizer step."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """A short name for logs and reports."""
+
+
+class ParameterAveraging(Merge):
+    """Merge once per epoch by weighted parameter averaging, w = sum_i weight_i w_i (C-ADP, local SGD).
+
+    One allreduce of the weighted parameters gives every rank the merged model,
+    as the paper's parameter server does by gathering and broadcasting. Emulated,
+    a rank's epoch is download (link_s), its batches, upload (link_s): its cycle
+    lasts T_comp,i + T_comm,i of C-ADP eq. (6) and the merge waits for the
+    slowest, which is eq. (7)'s max_i (T_comp,i + T_comm,i).
+
+    Example::
+
+        >>> # rank 0 trained on 300 samples, rank 1 on 100 (launched with torchrun)
+        >>> merge = ParameterAveraging(weight=[0.75, 0.25][dist.get_rank()])
+        >>> merge.end_epoch(model, Pace(enabled=False))   # model is now 0.75 w_0 + 0.25 w_1 on both ranks
+    """
+
+    def __init__(self, weight: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= weight <= 1.0:
+            raise ConfigError(f"merge weight must be in [0, 1] (D_i / D), got {weight!r}")
+        self.weight = weight
+        """D_i / D of this rank."""
+
+    def start_epoch(self, pace: Pace) -> None:
+        pace.wait(self.link_s)  # receive the current global model
+
+    def end_epoch(self, model: nn.Module, pace: Pace) -> None:
+        pace.wait(self.link_s)  # send the local model
+        average_parameters(model, self.weight, group=self.group, timeout_s=self.timeout_s)
+        pace.reset()
+
+    def describe(self) -> str:
+        return "parameter averaging per epoch"
+
+
+@torch.no_grad()
+def average_parameters(
+    model: nn.Module, weight: float, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
+) -> None:
+    """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
+
+    The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
+    contributes nothing and receives the merged model.
+
+    Raises:
+        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
+    """
+    tensors = _float_state(model)
+    flat = _flatten(tensors) * weight
+    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s)
+    _unflatten_into(tensors, flat)
+
+
+@torch.no_grad()
+def broadcast_parameters(
+    model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
+) -> None:
+    """Give every rank the parameters and float buffers of rank ``src`` (the initial global model).
+
+    Raises:
+        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
+    """
+    tensors = _float_state(model)
+    flat = _flatten(tensors)
+    work = dist.broadcast(flat, global_rank(src, group), group=group, async_op=True)
+    wait_for(work, "initial model broadcast", timeout_s)
+    _unflatten_into(tensors, flat)
+
+
+class GradientAllreduce(Merge):
+    """Merge at every step by averaging gradients over all samples of the step (synchronous DDP).
+
+    Every rank runs ``steps_per_epoch`` collective steps; a rank out of batches
+    joins with zero weight. The gradient is sum_r n_r g_r / sum_r n_r, the mean
+    over the step's samples (plain DDP's mean when batches are equal). Emulated,
+    each step's exchange lasts ``link_s`` there and back over the slowest link,
+    which every rank of a synchronous allreduce waits for.
+    """
+
+    def __init__(self, steps_per_epoch: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if steps_per_epoch < 1:
+            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+        self.steps_per_epoch = steps_per_epoch
+
+    def steps(self, local_batches: int) -> int:
+        return self.steps_per_epoch
+
+    @torch.no_grad()
+    def after_backward(self, model: nn.Module, samples: int, pace: Pace) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        for param in params:
+            if param.grad is None:  # a rank without a batch this step contributes zeros
+                param.grad = torch.zeros_like(param)
+        grads = [param.grad for param in params]
+        count = torch.full((1,), float(samples), dtype=torch.float64, device=grads[0].device)
+        flat = torch.cat([_flatten(grads) * samples, count])
+        wait_for(dist.all_reduce(flat, group=self.group, async_op=True), "gradient allreduce", self.timeout_s)
+        _unflatten_into(grads, flat[:-1] / max(float(flat[-1]), 1.0))
+        pace.reset()
+        pace.wait(2 * self.link_s)
+
+    def describe(self) -> str:
+        return "gradient allreduce per step"
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """One epoch of local training, identical on every rank."""
+
+    epoch: int
+    seconds: float
+    """Wall-clock seconds from the epoch's start to its merge, on this rank (the merge synchronizes ranks)."""
+    loss: float
+    """Mean training loss over every rank's samples of the epoch."""
+    samples: int
+    """Samples trained on by all ranks together."""
+
+
+def train_local(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: TensorDataset,
+    merge: Merge,
+    *,
+    batch_size: int,
+    epochs: int,
+    batch_time_s: float = 0.0,
+    emulate: bool = False,
+    seed: int = 0,
+    loss_fn: LossFn = nn.functional.cross_entropy,
+    on_epoch: Callable[[EpochStats], None] | None = None,
+) -> list[EpochStats]:
+    """Train ``model`` on this rank's ``data`` for ``epochs``, combining ranks through ``merge``.
+
+    Each epoch visits the local samples once, in a fresh seeded order, in batches
+    of ``batch_size`` (the last one partial). With ``emulate``, every batch lasts
+    ``batch_time_s`` (a partial one too, as C-ADP eq. (5)'s ceiling counts it)
+    and the merge's transfers last its ``link_s``.
+
+    .. warning::
+        Collective: every rank of the merge's group calls it with the same
+        ``epochs`` (and, for per-step merges, the same step count).
+
+    Raises:
+        ConfigError: a bad batch size, epoch count or batch time.
+        PeerTimeoutError: a merge waited past its deadline.
+    """
+    if batch_size < 1 or epochs < 1 or not batch_time_s >= 0:
+        raise ConfigError(
+            f"need batch_size >= 1, epochs >= 1 and batch_time_s >= 0, got {batch_size}, {epochs}, {batch_time_s}"
+        )
+    inputs, targets = data.tensors
+    rank = dist.get_rank(merge.group)
+    batches = -(-len(inputs) // batch_size)
+    steps = merge.steps(batches)
+    pace = Pace(emulate)
+    device = inputs.device
+    history = []
+    model.train()
+    for epoch in range(epochs):
+        started = time.perf_counter()
+        order = epoch_order(len(inputs), seed=seed, epoch=epoch, rank=rank).to(device)
+        loss_sum = 0.0
+        pace.reset()
+        merge.start_epoch(pace)
+        for step in range(steps):
+            index = order[step * batch_size : (step + 1) * batch_size]
+            optimizer.zero_grad()
+            if len(index):
+                loss = loss_fn(model(inputs[index]), targets[index])
+                loss.backward()
+                loss_sum += float(loss.detach()) * len(index)
+                pace.wait(batch_time_s)
+            merge.after_backward(model, len(index), pace)
+            optimizer.step()
+        merge.end_epoch(model, pace)
+        totals = torch.tensor([loss_sum, float(len(inputs))], dtype=torch.float64, device=device)
+        wait_for(dist.all_reduce(totals, group=merge.group, async_op=True), "epoch statistics", merge.timeout_s)
+        stats = EpochStats(
+            epoch=epoch,
+            seconds=time.perf_counter() - started,
+            loss=float(totals[0] / max(float(totals[1]), 1.0)),
+            samples=int(totals[1]),
+        )
+        log.debug("rank %d epoch %d (%s): %.3f s, loss %.4f", rank, epoch, merge.describe(), stats.seconds, stats.loss)
+        history.append(stats)
+        if on_epoch is not None:
+            on_epoch(stats)
+    return history

@@ -1,0 +1,127 @@
+"""C-ADP with real processes over gloo: planned disjoint delivery, weighted averaging, the whole loop by hand."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetdp.train.distribute import partition
+from hetdp.train.local import epoch_order, merge_weights, weighted_average
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402
+
+RANKS = 3
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, torchrun):
+    folder = tmp_path_factory.mktemp("cadp")
+    torchrun("cadp_worker.py", RANKS, "--out", folder, timeout_s=240)
+    return folder
+
+
+def report(out: Path, rank: int) -> dict:
+    return json.loads((out / f"report_{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("transport", ["samples", "indices"])
+def test_each_device_receives_exactly_its_planned_disjoint_samples(out, transport):
+    planned = report(out, 0)["plan"]
+    assert sum(planned) == SIZE and all(n > 0 for n in planned)
+    inputs, labels, _ = make_dataset().tensors
+    expected = partition(planned, seed=7)
+    seen = []
+    for rank in range(RANKS):
+        held = torch.load(out / f"delivery_{transport}_{rank}.pt")
+        received_inputs, received_labels, received_ids = held["tensors"]
+        assert held["indices"].tolist() == expected[rank].tolist()
+        assert len(received_ids) == planned[rank]
+        assert received_ids.tolist() == expected[rank].tolist()  # each sample is the one named by its index
+        torch.testing.assert_close(received_inputs, inputs[held["indices"]])
+        assert torch.equal(received_labels, labels[held["indices"]])
+        seen += received_ids.tolist()
+    assert sorted(seen) == list(range(SIZE))  # disjoint and complete
+
+
+def test_weighted_averaging_equals_the_hand_computed_average(out):
+    weights = merge_weights(AVERAGING_COUNTS)
+    models = [make_model(10 + rank).state_dict() for rank in range(RANKS)]
+    for rank in range(RANKS):
+        averaged = torch.load(out / f"averaged_{rank}.pt")
+        for name, tensor in averaged.items():
+            expected = weighted_average([m[name] for m in models], weights)
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_one_cadp_epoch_equals_local_training_then_the_d_weighted_average(out):
+    figures = report(out, 0)["cadp"]
+    planned, batch_sizes = figures["plan"], figures["batch_sizes"]
+    inputs, labels, _ = make_dataset().tensors
+    shares = partition(planned, seed=3)
+    local_models = []
+    for rank in range(RANKS):
+        model = make_model(0)
+        optimizer = make_optimizer(model)
+        mine = torch.from_numpy(shares[rank]).long()
+        order = epoch_order(len(mine), seed=3, epoch=0, rank=rank)
+        for start in range(0, len(mine), batch_sizes[rank]):
+            batch = mine[order[start : start + batch_sizes[rank]]]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs[batch]), labels[batch]).backward()
+            optimizer.step()
+        local_models.append(model.state_dict())
+    weights = merge_weights(planned)
+    for rank in range(RANKS):
+        assert report(out, rank)["cadp"]["samples"] == planned[rank]
+        merged = torch.load(out / f"cadp_{rank}.pt")
+        for name, tensor in merged.items():
+            expected = weighted_average([m[name] for m in local_models], weights)
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_per_step_gradient_allreduce_equals_one_process_on_the_union_of_the_batches(out):
+    figures = report(out, 0)["ddp"]
+    planned, batch_sizes = figures["plan"], figures["batch_sizes"]
+    assert max(planned) - min(planned) <= 1  # the equal split
+    inputs, labels, _ = make_dataset().tensors
+    shares = [torch.from_numpy(share).long() for share in partition(planned, seed=3)]
+    model = make_model(0)
+    optimizer = make_optimizer(model)
+    steps = max(-(-n // b) for n, b in zip(planned, batch_sizes))
+    for epoch in range(figures["epochs"]):
+        orders = [share[epoch_order(len(share), seed=3, epoch=epoch, rank=r)] for r, share in enumerate(shares)]
+        for step in range(steps):
+            batch = torch.cat([order[step * b : (step + 1) * b] for order, b in zip(orders, batch_sizes)])
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs[batch]), labels[batch]).backward()
+            optimizer.step()
+    for rank in range(RANKS):
+        for name, tensor in torch.load(out / f"ddp_{rank}.pt").items():
+            torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_times_are_reported_on_every_rank(out):
+    for rank in range(RANKS):
+        figures = report(out, rank)
+        for name in ("cadp", "ddp"):
+            assert figures[name]["send_s"] > 0 and figures[name]["train_s"] > 0
+            assert figures[name]["plan"] == report(out, 0)[name]["plan"]
+
+
+def test_a_data_owner_that_does_not_train_holds_no_samples(out):
+    planned = report(out, 0)["parameter_server"]["plan"]
+    assert len(planned) == 2 and sum(planned) == SIZE
+    held = [report(out, rank)["parameter_server"]["samples"] for rank in range(RANKS)]
+    assert held == [0, *planned]
+
+
+def test_a_plan_that_does_not_fit_the_dataset_fails_on_every_rank(out):
+    for rank in range(RANKS):
+        message = report(out, rank)["bad_plan"]
+        assert message is not None and "30 samples but the dataset has 47" in message
