@@ -36,14 +36,16 @@ def main() -> None:
             trainer.load_checkpoint(args.checkpoint)
         except hetdp.CheckpointError:
             pass  # no checkpoint yet: start from scratch
-    for epoch in range(trainer.start_epoch, args.epochs):
-        report = trainer.train_epoch(epoch)
-        if args.checkpoint:
-            trainer.save_checkpoint(args.checkpoint, next_epoch=epoch + 1)
-        if rank == 0:
-            print(f"epoch {epoch}: shares {report.shares}, epoch {report.epoch_s:.2f} s, "
-                  f"compute {[round(s, 2) for s in report.compute_s]} s, wait {[round(s, 2) for s in report.wait_s]} s, "
-                  f"accuracy {accuracy(model, split.test):.3f}")
+    with trainer:
+        for epoch in range(trainer.start_epoch, args.epochs):
+            report = trainer.train_epoch(epoch)
+            if args.checkpoint:
+                trainer.save_checkpoint(args.checkpoint, next_epoch=epoch + 1)
+            if rank == 0:
+                print(f"epoch {epoch}: shares {report.shares}, epoch {report.epoch_s:.2f} s, "
+                      f"compute {[round(s, 2) for s in report.compute_s]} s, "
+                      f"wait {[round(s, 2) for s in report.wait_s]} s, accuracy {accuracy(model, split.test):.3f}")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def main() -> None:
         print(f"T_send {result.send_s:.2f} s (planned {result.plan.send_s:.2f}), T_train {result.train_s:.2f} s, "
               f"T_total {result.total_s:.2f} s (planned {result.plan.total_s:.2f}), "
               f"test accuracy {accuracy(model, split.test):.3f}")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

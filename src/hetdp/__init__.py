@@ -13,10 +13,12 @@ from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
+from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, EpochReport
 from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
+from hetdp.train.eager import EagerSGD
 
 __all__ = [
     "AdaptiveAllocator",
@@ -29,10 +31,14 @@ __all__ = [
     "ConfigError",
     "DevicePlan",
     "DeviceSpec",
+    "EagerSGD",
     "Emulation",
     "EpochReport",
     "HetDPError",
     "Link",
+    "PartialAllreduce",
+    "PartialConfig",
+    "PartialResult",
     "PeerTimeoutError",
     "Plan",
     "ProbeConfig",

@@ -9,5 +9,8 @@ BENCHMARKS: dict[str, str] = {
     "allocation": "equal vs static vs adaptive task allocation on emulated unequal workers",
     "cadp": "C-ADP vs equal-split DDP and local SGD on emulated geo-distributed devices (digits at 150 KB/sample)",
     "planner": "C-ADP planners on random heterogeneous clusters of 8 to 10,000 devices: exact vs ALM, objective and time",
+    "collectives": "latency of solo / majority / quorum partial allreduce vs all_reduce under skew (eager-SGD Fig. 8)",
+    "eager": "EagerSGD (solo, majority) vs synchronous SGD with one random straggler per step (eager-SGD Fig. 10)",
+    "imbalance": "LSTM on variable-length sequences: time to accuracy of sync vs solo vs majority (eager-SGD Fig. 13)",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

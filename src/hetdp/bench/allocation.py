@@ -197,6 +197,7 @@ def _worker(argv: list[str]) -> None:
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
         args.out.write_text(json.dumps({"settings": settings, "runs": runs, "homogeneous": homogeneous}))
+    dist.destroy_process_group()
 
 
 def _new_model(seed: int, split: Split) -> ConvNet:
@@ -229,6 +230,7 @@ def _train_policy(
         progress.set_postfix(policy=policy, epoch_s=f"{report.epoch_s:.2f}")
         progress.update()
     dist.barrier()
+    trainer.close()
     return rows
 
 
@@ -265,6 +267,7 @@ def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: tq
         dist.barrier()
         ours_s.append(time.perf_counter() - started)
         progress.update()
+    ours.close()
     return {"plain_ddp_epoch_s": plain_s, "adaptive_epoch_s": ours_s}
 
 

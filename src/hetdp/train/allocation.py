@@ -223,6 +223,7 @@ class AllocatedTrainer:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         """Wrap ``model`` in DDP over ``group`` (default: a new group of all ranks with the step timeout)."""
+        self._own_group = group is None
         if group is None:
             group = dist.new_group(timeout=datetime.timedelta(seconds=config.step_timeout_s))
         self.rank = dist.get_rank(group)
@@ -260,6 +261,22 @@ class AllocatedTrainer:
         )
         self.start_epoch = 0
         self._step_count = 0
+
+    def close(self) -> None:
+        """Release the process group the trainer made; every rank must call it (idempotent).
+
+        A gloo group left alive at interpreter exit can abort the process, so
+        scripts should close the trainer (or use it as a context manager).
+        """
+        if self._own_group and self.group is not None:
+            dist.destroy_process_group(self.group)
+        self.group = None
+
+    def __enter__(self) -> AllocatedTrainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def shares(self) -> list[int]:

@@ -32,9 +32,10 @@ def train(config: AllocationConfig, size: int, epochs: range, *, emulation=None,
     trainer = AllocatedTrainer(model, optimizer, make_dataset(size), config, emulation=emulation)
     if resume is not None:
         assert trainer.load_checkpoint(resume) == epochs.start
-    reports = [trainer.train_epoch(epoch) for epoch in epochs]
-    if save is not None:
-        trainer.save_checkpoint(save, next_epoch=epochs.stop)
+    with trainer:
+        reports = [trainer.train_epoch(epoch) for epoch in epochs]
+        if save is not None:
+            trainer.save_checkpoint(save, next_epoch=epochs.stop)
     return trainer, reports
 
 
@@ -75,6 +76,7 @@ def main() -> None:
                            "compute_s": [r.compute_s for r in reports], "wait_s": [r.wait_s for r in reports]}
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

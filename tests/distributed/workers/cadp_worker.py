@@ -101,6 +101,7 @@ def main() -> None:
         report["bad_plan"] = str(error)
 
     (out / f"report_{rank}.json").write_text(json.dumps(report))
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""Recursive-doubling allreduce over point-to-point sends: log2(P) exchanges instead of a ring's 2(P - 1) hops.
+
+A partial-allreduce round is latency-bound for small payloads, and a ring's
+hops each wait for a process to be scheduled; the eager-SGD paper runs its
+rounds with recursive doubling too (section 4.1). Every rank ends with the same
+bits: each exchange adds two partial sums that both partners hold, and IEEE
+addition is commutative. Ranks beyond the largest power of two fold their data
+into a partner first and receive the result last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+STEPS_PER_ROUND = 64
+"""Tags per round: at most 2 + log2(P) exchanges, so rounds never share a tag."""
+
+
+def exchanges(rank: int, world_size: int) -> list[tuple[str, int, int]]:
+    """The schedule of ``rank``: (kind, peer, tag offset) steps, in order; both ends of an exchange share its tag.
+
+    ``fold``: receive the data of a rank beyond the power of two and add it;
+    ``swap``: send this rank's partial sum to the peer and add the peer's;
+    ``unfold``: send the sum back to the folded rank. A folded rank only
+    ``send``-s its data, then ``recv``-s the sum.
+    """
+    core = 1 << (world_size.bit_length() - 1)
+    last = STEPS_PER_ROUND - 1
+    if rank >= core:
+        return [("send", rank - core, 0), ("recv", rank - core, last)]
+    folds = rank + core < world_size
+    steps = [("fold", rank + core, 0)] if folds else []
+    distance, level = 1, 1
+    while distance < core:
+        steps.append(("swap", rank ^ distance, level))
+        distance, level = distance * 2, level + 1
+    if folds:
+        steps.append(("unfold", rank + core, last))
+    return steps
+
+
+def allreduce(
+    group: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world_size: int, tag: int,
+    wait: Callable[[dist.Work], None],
+) -> None:
+    """Sum ``tensor`` over ``group`` in place by recursive doubling; ``wait`` waits on each send or receive.
+
+    Args:
+        group: a backend with ``send`` / ``recv`` (a ProcessGroupGloo).
+        tensor: this rank's contribution; the sum on return, bitwise identical on every rank.
+        tag: distinct per call (a round's index): messages of two calls never match each other.
+        wait: blocks until a work completes; raises to abandon the reduction.
+    """
+    base = (tag % (2**31 // STEPS_PER_ROUND)) * STEPS_PER_ROUND
+    incoming = torch.empty_like(tensor)
+    for kind, peer, offset in exchanges(rank, world_size):
+        if kind in ("send", "unfold"):
+            wait(group.send([tensor], peer, base + offset))
+        elif kind == "recv":
+            wait(group.recv([tensor], peer, base + offset))
+        elif kind == "fold":
+            wait(group.recv([incoming], peer, base + offset))
+            tensor.add_(incoming)
+        else:
+            sent = group.send([tensor], peer, base + offset)
+            received = group.recv([incoming], peer, base + offset)
+            wait(sent)
+            wait(received)
+            tensor.add_(incoming)
