@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import socket
 import threading
 
 import pytest
@@ -12,21 +10,6 @@ import torch.distributed as dist
 
 import hetdp
 from hetdp import ConfigError, HetDPError, PartialAllreduce, PartialConfig, PartialResult, Timeouts
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A default group of world size 1, created without torchrun (so PartialAllreduce hosts its own store)."""
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _partial_threads() -> list[str]:
