@@ -40,8 +40,10 @@ class Timeouts:
 def init_distributed(backend: str | None = None, timeouts: Timeouts | None = None) -> tuple[int, int]:
     """Join the default process group from torchrun's environment, once; return (rank, world size).
 
-    The backend defaults to NCCL when every rank has a GPU and gloo otherwise. A
-    process already in a group keeps it, so library code may call this freely.
+    The backend defaults to NCCL when every rank on this machine has a GPU of its
+    own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four
+    emulated workers share a laptop's GPU). A process already in a group keeps
+    it, so library code may call this freely.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -51,12 +53,18 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
             f"not launched by torchrun: {', '.join(missing)} unset; start with `hetdp run -n N script.py` or torchrun"
         )
     timeouts = timeouts or Timeouts()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or ("nccl" if gpu_per_local_rank() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeouts.connect_s))
     log.debug("rank %d of %d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def gpu_per_local_rank() -> bool:
+    """Whether this machine has a GPU for each of its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
 
 
 def local_device() -> torch.device:

@@ -38,9 +38,14 @@ class AdaptiveAllocator:
     moving average (``smoothing`` is the weight of the past; 0 trusts the newest
     measurement alone). A re-plan is applied only if it pays: if the predicted step
     time under the new shares is at least ``tolerance`` (a fraction) below the
-    measured one; otherwise the shares stay, so timing noise on equal workers moves
-    nothing. After ``patience`` calm updates in a row the allocation is *stable*
-    and, as the paper does, re-planning stops (unless ``freeze_when_stable`` is False).
+    measured one, and by more than twice the standard error of the window's mean step
+    time when the caller reports the timing noise (``step_cv``); otherwise the shares
+    stay, so timing noise on equal workers moves nothing. With ``verify``, an applied re-plan is a trial: if the next measurement
+    finds the step slower than before it, the old shares come back and that plan is
+    not tried again. This catches what the rule cannot see, such as ranks that share
+    cores or a bus, where one rank's measured speed depends on the others' shares.
+    After ``patience`` calm updates in a row the allocation is *stable* and, as the
+    paper does, re-planning stops (unless ``freeze_when_stable`` is False).
 
     The allocator is pure state: the caller gathers the times from every rank, and
     every rank holding the same times computes the same shares.
@@ -65,6 +70,7 @@ class AdaptiveAllocator:
         tolerance: float = 0.02,
         patience: int = 1,
         freeze_when_stable: bool = True,
+        verify: bool = True,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -82,8 +88,16 @@ class AdaptiveAllocator:
         self.tolerance = tolerance
         self.patience = patience
         self.freeze_when_stable = freeze_when_stable
+        self.verify = verify
         self.shares = apportion(initial or [1.0] * world_size, total, minimum)
         self.speeds: list[float] | None = None
+        self.trial: tuple[list[int], float] | None = None
+        """While a re-plan is on trial: the shares it replaced and their measured step seconds."""
+        self.rejected: list[list[int]] = []
+        """Plans that measured slower than the ones they replaced; proposing one again counts as calm."""
+        self.noise_cv = 0.0
+        """Relative standard deviation of one step's compute time, pooled over the updates that reported it."""
+        self._noise_reports = 0
         self.calm_updates = 0
         self.updates = 0
 
@@ -92,24 +106,49 @@ class AdaptiveAllocator:
         """Whether the shares stopped moving (then ``update`` keeps them if frozen)."""
         return self.calm_updates >= self.patience
 
-    def update(self, compute_seconds: Sequence[float]) -> list[int]:
-        """Re-plan from each rank's compute time for its current share; return the new shares."""
+    def update(self, compute_seconds: Sequence[float], steps: int = 1, *, step_cv: float | None = None) -> list[int]:
+        """Re-plan from each rank's compute time over ``steps`` steps at its current share; return the new shares.
+
+        ``step_cv``: the relative standard deviation of one step's compute time seen in
+        this window (pooled over ranks), if the caller measured it; a re-plan must then
+        promise a gain beyond what that noise explains.
+        """
         if self.stable and self.freeze_when_stable:
             return list(self.shares)
-        speeds = measured_speeds(self.shares, compute_seconds)
+        if steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {steps}")
+        if step_cv is not None:
+            if not (math.isfinite(step_cv) and step_cv >= 0):
+                raise ConfigError(f"step_cv must be a finite fraction >= 0, got {step_cv!r}")
+            self._noise_reports += 1
+            self.noise_cv = math.sqrt(self.noise_cv**2 + (step_cv**2 - self.noise_cv**2) / self._noise_reports)
+        speeds = measured_speeds([share * steps for share in self.shares], compute_seconds)
+        step_s = max(share / speed for share, speed in zip(self.shares, speeds))
+        self.updates += 1
+        if self.trial is not None:
+            replaced_shares, replaced_step_s = self.trial
+            self.trial = None
+            if step_s > replaced_step_s:
+                self.rejected.append(self.shares)
+                self.shares = replaced_shares
+                self.calm_updates += 1
+                return list(self.shares)
+            self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
         if self.speeds is not None and self.smoothing:
             speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, speeds)]
         self.speeds = speeds
         new_shares = apportion_min_max(speeds, self.total, self.minimum)
-        measured_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
+        smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
         predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
-        too_small_a_gain = self.tolerance > 0 and predicted_step_s > (1.0 - self.tolerance) * measured_step_s
-        if too_small_a_gain or new_shares == self.shares:
+        required_gain = max(self.tolerance, 2.0 * self.noise_cv / math.sqrt(steps))
+        too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
+        if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:
             self.calm_updates += 1
         else:
             self.calm_updates = 0
+            if self.verify:
+                self.trial = (self.shares, step_s)
             self.shares = new_shares
-        self.updates += 1
         return list(self.shares)
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,6 +157,10 @@ class AdaptiveAllocator:
             "speeds": self.speeds,
             "calm_updates": self.calm_updates,
             "updates": self.updates,
+            "trial": self.trial,
+            "rejected": self.rejected,
+            "noise_cv": self.noise_cv,
+            "noise_reports": self._noise_reports,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -130,3 +173,8 @@ class AdaptiveAllocator:
         self.speeds = state["speeds"]
         self.calm_updates = state["calm_updates"]
         self.updates = state["updates"]
+        trial = state.get("trial")
+        self.trial = None if trial is None else (list(trial[0]), float(trial[1]))
+        self.rejected = [list(shares) for shares in state.get("rejected", [])]
+        self.noise_cv = float(state.get("noise_cv", 0.0))
+        self._noise_reports = int(state.get("noise_reports", 0))

@@ -224,7 +224,7 @@ def round_preserving_sum(relaxed: np.ndarray, total: int, minimum: int = 0) -> n
     extra = np.maximum(np.nan_to_num(relaxed, nan=0.0) - minimum, 0.0)
     if extra.sum() <= 0:
         extra = np.ones(n)
-    quota = extra * (spare / extra.sum())
+    quota = extra / extra.sum() * spare  # normalize first: spare / a subnormal sum overflows
     shares = np.floor(quota).astype(np.int64)
     leftover = spare - int(shares.sum())
     order = np.lexsort((np.arange(n), -(quota - shares)))  # largest remainder, then lowest index

@@ -56,9 +56,16 @@ def _quotas(weights: Sequence[float], total: int, minimum: int) -> tuple[list[fl
         raise ConfigError(f"minimum must be >= 0, got {minimum}")
     if total < minimum * count:
         raise ConfigError(f"total {total} cannot give {count} shares of at least {minimum}")
-    weight_sum = math.fsum(weights)
-    if weight_sum <= 0:
+    if math.fsum(weights) <= 0:
         raise ConfigError(f"weights must not all be zero, got {list(weights)}")
-    spare = total - minimum * count
-    quotas = [minimum + spare * weight / weight_sum for weight in weights]
-    return quotas, [math.floor(quota) for quota in quotas]
+    # Proportional values, with any below the minimum pinned to it and the rest re-split (water-filling),
+    # so a minimum that binds for one rank does not skew the others: [1, 1, 2, 4] of 128 is 16, 16, 32, 64.
+    pinned: set[int] = set()
+    while True:
+        free_total = total - minimum * len(pinned)
+        free_weight = math.fsum(weight for index, weight in enumerate(weights) if index not in pinned)
+        quotas = [minimum if index in pinned else free_total * weight / free_weight for index, weight in enumerate(weights)]
+        below = {index for index, quota in enumerate(quotas) if quota < minimum and index not in pinned}
+        if not below:
+            return quotas, [math.floor(quota) for quota in quotas]
+        pinned |= below

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
     parser.add_argument("--epochs", type=int, help="epochs per policy (default 12, quick 6)")
     parser.add_argument("--sample-cost-ms", type=float, default=8.0, help="emulated ms per sample at speed 1")
-    parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
+    parser.add_argument("--global-batch", type=int, default=256,
+                        help="samples per step over all ranks (default 256; the learning rate scales with it)")
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward")
     parser.add_argument("--replan-every", type=int, default=2, help="steps between adaptive re-plans (0: per epoch)")
     add_dataset_arguments(parser)
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replan_every=args.replan_every,
         homogeneous_epochs=4 if args.quick else 8,
         seed=args.seed,
+        lr=0.05 * args.global_batch / 128,  # the linear scaling rule
         dataset=args.dataset,
         data_root=args.data_root,
     )
@@ -101,6 +103,12 @@ def steady_epoch_s(rows: list[dict[str, Any]]) -> float:
     return statistics.fmean(row["epoch_s"] for row in tail)
 
 
+def allreduce_s_per_step(rows: list[dict[str, Any]]) -> float:
+    """Seconds per step that even the last rank to finish computing waits: the allreduce itself (steady state)."""
+    tail = rows[len(rows) // 2 :]
+    return statistics.fmean(min(row["wait_s"]) / row["steps"] for row in tail)
+
+
 def epochs_to_stable(rows: list[dict[str, Any]]) -> float:
     """Fractional epoch at which the shares last changed (0 if they never did)."""
     last = 0.0
@@ -116,6 +124,9 @@ def summarize(speeds: tuple[float, ...], raw: dict[str, Any]) -> dict[str, Any]:
     ideal = sum(speeds) / (len(speeds) * min(speeds))
     equal_s = steady_epoch_s(runs["equal"])
     speedup = equal_s / steady_epoch_s(runs["adaptive"])
+    comm_s = allreduce_s_per_step(runs["adaptive"])
+    steps = statistics.fmean(row["steps"] for row in runs["equal"])
+    perfect_s = (equal_s - steps * comm_s) / ideal + steps * comm_s
     result: dict[str, Any] = {
         "speeds": list(speeds),
         "nproc": len(speeds),
@@ -123,6 +134,8 @@ def summarize(speeds: tuple[float, ...], raw: dict[str, Any]) -> dict[str, Any]:
         "ideal_speedup": ideal,
         "speedup_vs_equal": speedup,
         "efficiency": speedup / ideal,
+        "allreduce_ms_per_step": 1000 * comm_s,
+        "efficiency_bound": equal_s / perfect_s / ideal,
         "speedup_static_vs_equal": equal_s / steady_epoch_s(runs["static"]),
         "epochs_to_stable": epochs_to_stable(runs["adaptive"]),
         "final_shares": runs["adaptive"][-1]["shares"],
@@ -156,6 +169,10 @@ def render(result: dict[str, Any]) -> str:
     lines.append(
         f"ideal speedup {result['ideal_speedup']:.3f}, adaptive {result['speedup_vs_equal']:.3f} "
         f"(efficiency {result['efficiency']:.3f}); shares stable after {result['epochs_to_stable']:.2f} epochs"
+    )
+    lines.append(
+        f"allreduce {result['allreduce_ms_per_step']:.1f} ms per step: a perfect allocation would reach "
+        f"efficiency {result['efficiency_bound']:.3f} on this machine"
     )
     if "overhead_homogeneous" in result:
         lines.append(f"overhead vs plain DDP on equal speeds: {100 * result['overhead_homogeneous']:+.1f}%")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hetdp.collectives import doubling
-from hetdp.collectives.control import FLUSH, GO, LAST, POLL_S, ROLL_CALL_S, RoundControl, StoreLost
+from hetdp.collectives.control import FLUSH, GO, IDLE_WAIT_S, LAST, POLL_S, ROLL_CALL_S, RoundControl, StoreLost
 from hetdp.collectives.protocol import MODES, Deposit, Mode, RoundBook, initiator
 from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts
@@ -252,13 +252,15 @@ class PartialAllreduce:
                                             self.world_size, datetime.timedelta(seconds=timeouts.round_s))
         self._data_group = self._group
         if self.config.data_backend == "nccl":
-            # Not exercised by the test suite (CPU only): the payload stays on the GPU and travels over NCCL.
+            # The payload stays on the GPU and travels over NCCL (checked on one H100; the test suite is CPU-only).
             self._data_group = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", client.clone()), self.rank,
                                                      self.world_size)
         settings = {"mode": self.config.mode, "required": required, "seed": self.config.seed, "rank": self.rank,
                     "ranks": self._ranks, "round_s": timeouts.round_s}
         self._control = RoundControl(dist.PrefixStore(prefix, client), **settings)
-        self._progress_control = RoundControl(dist.PrefixStore(prefix, client.clone()), **settings)
+        progress_client = client.clone()
+        progress_client.set_timeout(datetime.timedelta(seconds=IDLE_WAIT_S))  # its blocking get awaits activations
+        self._progress_control = RoundControl(dist.PrefixStore(prefix, progress_client), **settings)
 
     def _exchange_address(self, group: dist.ProcessGroup | None) -> tuple[str, str, int, bool]:
         """Group rank 0 picks a key prefix and the store (the launcher's, or one it hosts) and tells the others."""
@@ -505,12 +507,11 @@ class PartialAllreduce:
         round_index = 0
         while True:
             try:
-                control.await_activation(round_index)
+                verdict = control.await_activation(round_index)
             except StoreLost as error:
                 self._book.fail(PeerTimeoutError(f"lost the c10d store at {self._store_address}: {error}",
                                                  timeout_s=self.config.timeouts.round_s))
                 return
-            verdict = control.verdict(round_index)
             if verdict not in (GO, FLUSH, LAST):
                 self._book.fail(control.join_failure())
                 return

@@ -116,7 +116,7 @@ def _simulate_synchronous(
         clock_s += compute.max() + allreduce_s
         window += compute
         if strategy == "adaptive" and step % replan_every == 0:
-            allocator.update(window.tolist())
+            allocator.update(window.tolist(), replan_every)
             window[:] = 0.0
     return SimulationResult(strategy, steps, clock_s, steps * global_batch / clock_s, 1.0, allocator.shares)
 

@@ -144,7 +144,10 @@ class _SyncClock:
     """When this rank's last gradient bucket became ready: the end of its compute, before any waiting.
 
     On CUDA the times come from events on the device's timeline, since the host
-    only queues kernels; on the CPU from the host clock.
+    only queues kernels; on the CPU from the host clock. The step's emulated
+    slowness (``pad``) runs just before the last bucket's allreduce, after all of
+    the step's real compute, so the real work of ranks sharing a few cores
+    overlaps with their sleeps instead of delaying the allreduce.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -153,13 +156,17 @@ class _SyncClock:
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
         )
         self.started_at = self.ready_at = 0.0
+        self.pad: Callable[[], None] | None = None
 
-    def start(self) -> None:
+    def start(self, pad: Callable[[], None] | None = None) -> None:
         self.started_at = self.ready_at = time.perf_counter()
+        self.pad = pad
         if self.events:
             self.events[0].record()
 
-    def mark_ready(self) -> None:
+    def mark_ready(self, last_bucket: bool) -> None:
+        if last_bucket and self.pad is not None:
+            self.pad()
         self.ready_at = time.perf_counter()
         if self.events:
             self.events[1].record()
@@ -173,9 +180,30 @@ class _SyncClock:
 
 def _timed_sum_allreduce(clock, bucket):  # no annotations: DDP checks them as types, and here they'd be strings
     """DDP comm hook: sum gradients (the loss is pre-scaled by the global sample count), noting the time."""
-    clock.mark_ready()
+    clock.mark_ready(bucket.is_last())
     work = dist.all_reduce(bucket.buffer(), group=clock.group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
+
+
+@dataclass
+class _Window:
+    """This rank's compute times over the steps since the last re-plan."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    squares: float = 0.0
+
+    def add(self, step_s: float) -> None:
+        self.steps, self.seconds, self.squares = self.steps + 1, self.seconds + step_s, self.squares + step_s**2
+
+
+def _pooled_cv(figures: torch.Tensor, steps: int) -> float | None:
+    """Relative standard deviation of one step's compute time, pooled over ranks (rows: seconds, squares)."""
+    if steps < 2:
+        return None
+    means = figures[:, 0] / steps
+    variances = (figures[:, 1] / steps - means**2).clamp(min=0.0) * steps / (steps - 1)
+    return float((variances / means.clamp(min=1e-12) ** 2).mean().sqrt())
 
 
 def fetch(dataset: Dataset, indices: Sequence[int]) -> Any:
@@ -291,7 +319,7 @@ class AllocatedTrainer:
         self.sampler.set_epoch(epoch)
         compute_s = wait_s = loss_sum = 0.0
         samples = steps = position = 0
-        window_s, window_steps, replans = 0.0, 0, []
+        window, replans = _Window(), []
         while True:
             for block, mine in self._remaining_steps():
                 step_compute_s, step_wait_s, step_loss = self._step(mine, sum(block))
@@ -299,12 +327,12 @@ class AllocatedTrainer:
                 samples, steps, position = samples + len(mine), steps + 1, position + sum(block)
                 # A partial last step says nothing about speed; the very first step pays one-time set-up costs.
                 if block == self.allocator.shares and self._step_count > 1:
-                    window_s, window_steps = window_s + step_compute_s, window_steps + 1
-                if not self._replan_due(window_steps):
+                    window.add(step_compute_s)
+                if not self._replan_due(window.steps):
                     continue
                 old_shares = self.shares
-                new_shares = self._replan(window_s)
-                window_s, window_steps = 0.0, 0
+                new_shares = self._replan(window)
+                window = _Window()
                 if new_shares != old_shares:
                     replans.append((steps, new_shares))
                     self.sampler.set_shares(new_shares)
@@ -312,9 +340,9 @@ class AllocatedTrainer:
                     break
             else:
                 break
-        if self.config.policy == "adaptive" and self.config.replan_every == 0 and window_steps:
+        if self.config.policy == "adaptive" and self.config.replan_every == 0 and window.steps:
             old_shares = self.shares
-            if not self.allocator.stable and self._replan(window_s) != old_shares:
+            if not self.allocator.stable and self._replan(window) != old_shares:
                 replans.append((steps, self.shares))
         totals = self._gather([compute_s, wait_s, float(samples), loss_sum, time.perf_counter() - started])
         return EpochReport(
@@ -342,10 +370,11 @@ class AllocatedTrainer:
         every = self.config.replan_every
         return self.config.policy == "adaptive" and 0 < every <= window_steps and not self.allocator.stable
 
-    def _replan(self, window_compute_s: float) -> list[int]:
-        """Share this rank's compute time with one small collective and apply the adaptive rule on every rank."""
-        seconds = self._gather([window_compute_s])[:, 0].tolist()
-        shares = self.allocator.update(seconds)
+    def _replan(self, window: _Window) -> list[int]:
+        """Share this rank's compute times with one small collective and apply the adaptive rule on every rank."""
+        figures = self._gather([window.seconds, window.squares])
+        seconds = figures[:, 0].tolist()
+        shares = self.allocator.update(seconds, window.steps, step_cv=_pooled_cv(figures, window.steps))
         log.debug("re-planned shares %s from compute times %s", shares, seconds)
         return shares
 
@@ -364,7 +393,7 @@ class AllocatedTrainer:
         if straggle_s:
             time.sleep(straggle_s)
         self._step_count += 1
-        self._clock.start()
+        self._clock.start(pad=lambda: self._pad(len(indices)))
         self.optimizer.zero_grad()
         chunk = self.config.chunk_size(self.rank, len(indices))
         pieces = [indices[i : i + chunk] for i in range(0, len(indices), chunk)] or [[]]
@@ -380,11 +409,7 @@ class AllocatedTrainer:
                     scaled = loss * (len(piece) / global_count)
                 else:  # a rank with no samples this step still joins the allreduce, with zero gradients
                     scaled = outputs.sum() * 0.0
-                if last:
-                    self._pad(started, len(indices))
-                    with self._collective(f"step {self._step_count}'s gradient allreduce"):
-                        scaled.backward()
-                else:
+                with self._collective(f"step {self._step_count}'s gradient allreduce") if last else contextlib.nullcontext():
                     scaled.backward()
         synchronize(self.device)
         step_s = time.perf_counter() - started
@@ -409,10 +434,13 @@ class AllocatedTrainer:
                 timeout_s=timeout_s,
             ) from error
 
-    def _pad(self, started: float, samples: int) -> None:
-        """Emulated slowness: sleep before the last backward, so the allreduce starts when the slow device would."""
+    def _pad(self, samples: int) -> None:
+        """Emulated slowness: sleep so that the allreduce starts when the emulated device would have finished.
+
+        Counted from the compute's start, so an injected straggler delay comes on top.
+        """
         synchronize(self.device)
-        pad_s = self.emulation.padding_s(self.rank, time.perf_counter() - started, samples)
+        pad_s = self.emulation.padding_s(self.rank, time.perf_counter() - self._clock.started_at, samples)
         if pad_s > 0:
             time.sleep(pad_s)
 

@@ -14,15 +14,13 @@ def synthetic_seconds(shares, speeds, overhead_s=0.0):
 
 
 @given(speeds=speeds_strategy, initial=st.data(), total=st.integers(200, 2000))
-def test_reaches_speed_proportional_shares_within_two_updates(speeds, initial, total):
+def test_reaches_speed_proportional_shares_within_two_updates(quotas, speeds, initial, total):
     start = initial.draw(st.lists(st.floats(0.1, 10.0), min_size=len(speeds), max_size=len(speeds)))
     allocator = AdaptiveAllocator(len(speeds), total, initial=start, tolerance=0.0)
     for _ in range(2):
         allocator.update(synthetic_seconds(allocator.shares, speeds))
-    speed_sum = sum(speeds)
-    for share, speed in zip(allocator.shares, speeds):
-        proportional = 1 + (total - len(speeds)) * speed / speed_sum  # minimum 1, the rest by speed
-        assert abs(share - proportional) < 1 + 1e-9
+    for share, proportional in zip(allocator.shares, quotas(speeds, total, 1)):
+        assert abs(share - proportional) < 1 + 1e-6
 
 
 @given(speeds=speeds_strategy, total=st.integers(50, 2000))
@@ -76,3 +74,34 @@ def test_state_round_trips():
 def test_bad_times_are_rejected(seconds):
     with pytest.raises(ConfigError):
         AdaptiveAllocator(2, 10).update(seconds)
+
+
+def test_a_replan_that_measures_slower_is_rolled_back_and_not_retried():
+    allocator = AdaptiveAllocator(2, 100, patience=2)
+    assert allocator.update([2.0, 1.0]) == [33, 67]  # rank 1 looks twice as fast: a trial
+    # ...but with the new shares the step got slower (say, the ranks share a core): back to the old shares
+    assert allocator.update([1.0, 2.5]) == [50, 50]
+    assert allocator.calm_updates == 1
+    allocator.update([2.0, 1.0])  # proposes [33, 67] again: rejected before, so calm, and now stable
+    assert allocator.shares == [50, 50] and allocator.stable
+
+
+def test_a_replan_that_pays_is_kept():
+    allocator = AdaptiveAllocator(2, 100, patience=2)
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 2.0]))
+    assert allocator.update(synthetic_seconds(allocator.shares, [1.0, 2.0])) == [33, 67]
+
+
+def test_measured_timing_noise_holds_the_shares_that_a_quiet_measurement_would_move():
+    noisy = AdaptiveAllocator(4, 128)
+    quiet = AdaptiveAllocator(4, 128)
+    seconds = [0.20, 0.24, 0.25, 0.26]  # rank 0 looks 20% faster
+    assert noisy.update(seconds, steps=2, step_cv=0.4) == [32] * 4
+    assert quiet.update(seconds, steps=2, step_cv=0.01) != [32] * 4
+
+
+def test_per_step_normalization_makes_windows_of_different_lengths_comparable():
+    allocator = AdaptiveAllocator(2, 100, patience=2)
+    allocator.update(synthetic_seconds([50, 50], [1.0, 2.0]))
+    # the trial's window is 4 steps long: 4x the seconds of one step, which is faster, so it is kept
+    assert allocator.update([4 * t for t in synthetic_seconds(allocator.shares, [1.0, 2.0])], steps=4) == [33, 67]

@@ -17,12 +17,11 @@ def test_shares_sum_to_total_and_respect_minimum(weights, extra, minimum):
 
 
 @given(weights=weights_strategy, extra=st.integers(min_value=0, max_value=5000), minimum=st.integers(0, 5))
-def test_shares_within_one_of_proportional_value(weights, extra, minimum):
+def test_shares_within_one_of_proportional_value(quotas, weights, extra, minimum):
     total = minimum * len(weights) + extra
     shares = apportion(weights, total, minimum)
-    weight_sum = sum(weights)
-    for share, weight in zip(shares, weights):
-        assert abs(share - (minimum + extra * weight / weight_sum)) < 1 + 1e-9
+    for share, quota in zip(shares, quotas(weights, total, minimum)):
+        assert abs(share - quota) < 1 + 1e-6
 
 
 @given(count=st.integers(1, 10), per_rank=st.integers(1, 100))
@@ -40,13 +39,12 @@ def test_a_heavier_weight_never_gets_less(weights, total):
 
 
 @given(speeds=weights_strategy, extra=st.integers(min_value=0, max_value=5000), minimum=st.integers(0, 5))
-def test_min_max_rounding_keeps_quota_and_never_makes_the_slowest_rank_slower(speeds, extra, minimum):
+def test_min_max_rounding_keeps_quota_and_never_makes_the_slowest_rank_slower(quotas, speeds, extra, minimum):
     total = minimum * len(speeds) + extra
     shares = apportion_min_max(speeds, total, minimum)
     assert sum(shares) == total
-    speed_sum = sum(speeds)
-    for share, speed in zip(shares, speeds):
-        assert abs(share - (minimum + extra * speed / speed_sum)) < 1 + 1e-9
+    for share, quota in zip(shares, quotas(speeds, total, minimum)):
+        assert abs(share - quota) < 1 + 1e-6
 
     def slowest(allocation):
         return max(share / speed for share, speed in zip(allocation, speeds))
@@ -55,10 +53,17 @@ def test_min_max_rounding_keeps_quota_and_never_makes_the_slowest_rank_slower(sp
 
 
 def test_min_max_rounding_gives_the_leftover_unit_to_the_rank_it_costs_least():
-    # quotas 1 + 98 * [0.2, 0.8] = [20.6, 79.4]: Hamilton rounds up rank 0 (21/1 = 21 > 80/4 = 20),
-    # min-max rounds up rank 1 (80/4 = 20 < 21)
-    assert apportion([1.0, 4.0], 100) == [21, 79]
-    assert apportion_min_max([1.0, 4.0], 100) == [20, 80]
+    # quotas 103 * [0.2, 0.8] = [20.6, 82.4]: Hamilton rounds up rank 0 (21/1 = 21 > 82/4 = 20.5),
+    # min-max rounds up rank 1 (83/4 = 20.75 < 21)
+    assert apportion([1.0, 4.0], 103) == [21, 82]
+    assert apportion_min_max([1.0, 4.0], 103) == [20, 83]
+
+
+def test_a_minimum_binding_for_one_rank_leaves_the_others_proportional():
+    # the speed-1 rank's 16 is above the minimum, so nothing is pinned: exactly proportional
+    assert apportion([1.0, 1.0, 2.0, 4.0], 128) == [16, 16, 32, 64]
+    # rank 0's proportional 0.5 is below the minimum 2: pinned at 2, the other 18 split 1:2
+    assert apportion([1.0, 10.0, 20.0], 20, minimum=2) == [2, 6, 12]
 
 
 @pytest.mark.parametrize(
