@@ -191,7 +191,7 @@ def _train(args: argparse.Namespace, mode: str, delay_ms: float, catch_up: bool,
         for batch in order[: steps_per_epoch * local_batch].split(local_batch):
             time.sleep(emulation.straggler_delay_s(step, rank, world_size))
             with emulation.compute(rank, local_batch):
-                optimizer.zero_grad()
+                (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
                 nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
             if eager is None:
                 synchronous_step(model, optimizer)

@@ -199,7 +199,7 @@ def _train(args: argparse.Namespace, mode: str, train: tuple, progress: tqdm) ->
         for bucket in _buckets(frames, mine, args.batch, args.seed, epoch, rank):
             # A step costs what its longest sequence does (the LSTM runs over the padded batch).
             with emulation.compute(rank, int(frames[bucket].max())):
-                optimizer.zero_grad()
+                (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
                 nn.functional.cross_entropy(model([sequences[i] for i in bucket]), labels[bucket]).backward()
             if eager is None:
                 synchronous_step(model, optimizer)

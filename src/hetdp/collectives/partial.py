@@ -317,6 +317,24 @@ class PartialAllreduce:
         results = self._await(deposit)
         return self._package(results, tensor)
 
+    def poll(self) -> tuple[PartialResult, ...]:
+        """The rounds completed since the last call, oldest first, without contributing or waiting.
+
+        A rank back from a stall can apply them before computing its next tensor
+        (EagerSGD does, in ``zero_grad``), so that it works on fresh data; its next
+        ``allreduce`` then returns only the rounds completed after this call.
+
+        Raises:
+            PeerTimeoutError: a peer died or a round failed earlier.
+            HetDPError: the instance is closed.
+        """
+        if self._closed:
+            raise HetDPError("this PartialAllreduce is closed")
+        if self._book.error is not None:
+            raise self._book.error
+        like = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        return tuple(self._to_caller(result, like) for result in self._book.collect_completed())
+
     def flush(self, on_round: Callable[[PartialResult], None] | None = None) -> tuple[PartialResult, ...]:
         """Wait until every rank flushes, then run one last round that empties every send buffer.
 

@@ -129,6 +129,13 @@ class EagerSGD:
         """Parameter averagings so far."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Apply the rounds completed since the last step, then clear the gradients.
+
+        Called before the forward pass, as usual, it starts the next gradient from
+        every round already done: a rank back from a stall would otherwise compute
+        on parameters several rounds old (staler than the paper's eager-SGD needs).
+        """
+        self._receive(self.partial.poll())
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> PartialResult:

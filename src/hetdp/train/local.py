@@ -138,8 +138,14 @@ class Merge(ABC):
     def after_backward(self, model: nn.Module, samples: int, pace: Pace) -> None:
         """After each backward of ``samples`` samples (0 for a step this rank has no batch for), before the step."""
 
-    def end_epoch(self, model: nn.Module, pace: Pace) -> None:
-        """After the epoch's last optimizer step."""
+    def end_epoch(self, model: nn.Module, pace: Pace, totals: torch.Tensor) -> torch.Tensor:
+        """After the epoch's last optimizer step: return ``totals`` (float64 epoch figures) summed over ranks.
+
+        A merge that runs a collective here carries them in it; by default they travel alone.
+        """
+        summed = totals.clone()
+        wait_for(dist.all_reduce(summed, group=self.group, async_op=True), "epoch statistics", self.timeout_s)
+        return summed
 
     @abstractmethod
     def describe(self) -> str:
@@ -172,10 +178,11 @@ class ParameterAveraging(Merge):
     def start_epoch(self, pace: Pace) -> None:
         pace.wait(self.link_s)  # receive the current global model
 
-    def end_epoch(self, model: nn.Module, pace: Pace) -> None:
+    def end_epoch(self, model: nn.Module, pace: Pace, totals: torch.Tensor) -> torch.Tensor:
         pace.wait(self.link_s)  # send the local model
-        average_parameters(model, self.weight, group=self.group, timeout_s=self.timeout_s)
+        summed = average_parameters(model, self.weight, group=self.group, timeout_s=self.timeout_s, carry=totals)
         pace.reset()
+        return summed
 
     def describe(self) -> str:
         return "parameter averaging per epoch"
@@ -183,20 +190,28 @@ class ParameterAveraging(Merge):
 
 @torch.no_grad()
 def average_parameters(
-    model: nn.Module, weight: float, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
-) -> None:
+    model: nn.Module,
+    weight: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 60.0,
+    carry: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
 
     The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
-    contributes nothing and receives the merged model.
+    contributes nothing and receives the merged model. ``carry`` (float64 figures)
+    rides along in the same collective, summed unweighted, and is returned.
 
     Raises:
         PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
     tensors = _float_state(model)
-    flat = _flatten(tensors) * weight
+    parts = [_flatten(tensors) * weight] + ([carry.to(torch.float64).reshape(-1)] if carry is not None else [])
+    flat = torch.cat(parts)
     wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s)
     _unflatten_into(tensors, flat)
+    return flat[flat.numel() - carry.numel() :] if carry is not None else None
 
 
 @torch.no_grad()
@@ -322,9 +337,8 @@ def train_local(
                 pace.wait(batch_time_s)
             merge.after_backward(model, len(index), pace)
             optimizer.step()
-        merge.end_epoch(model, pace)
         totals = torch.tensor([loss_sum, float(len(inputs))], dtype=torch.float64, device=device)
-        wait_for(dist.all_reduce(totals, group=merge.group, async_op=True), "epoch statistics", merge.timeout_s)
+        totals = merge.end_epoch(model, pace, totals)
         stats = EpochStats(
             epoch=epoch,
             seconds=time.perf_counter() - started,

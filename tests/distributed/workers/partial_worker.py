@@ -60,8 +60,8 @@ def controlled_quorum(rank: int, world_size: int, k: int) -> dict:
 
 
 def random_run(rank: int, mode: str, quorum: int | None, calls: int, seed: int) -> dict:
-    """Two phases of ``calls // 2`` calls (random integer tensors after random sleeps of 0-8 ms), a flush and a
-    barrier between them; every round this rank saw."""
+    """Two phases of ``calls // 2`` calls (random integer tensors after random sleeps of 0-8 ms, a ``poll`` before
+    some of them), a flush and a barrier between them; every round this rank saw."""
     rng = np.random.default_rng([seed, rank])
     contributed = torch.zeros(WIDTH, dtype=torch.float64)
     rounds, phases = [], []
@@ -70,6 +70,8 @@ def random_run(rank: int, mode: str, quorum: int | None, calls: int, seed: int) 
             first = len(rounds)
             for _ in range(calls // 2):
                 time.sleep(rng.uniform(0.0, 0.008))
+                if rng.random() < 0.3:
+                    rounds += [describe(r) for r in partial.poll()]
                 tensor = torch.from_numpy(rng.integers(0, 10, WIDTH).astype(np.float64))
                 contributed += tensor
                 result = partial.allreduce(tensor)
