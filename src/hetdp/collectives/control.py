@@ -15,7 +15,6 @@ live in ``protocol.py``; here they become store operations:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Sequence
