@@ -127,6 +127,7 @@ def test_eager_replicas_stay_identical_under_random_delays(semantics, mode):
     assert all(run["divergence"] == 0.0 for run in runs)
     assert len({run["rounds"] for run in runs}) == 1
     assert len({run["applied"] for run in runs}) == 1
+    assert {run["gradients"] for run in runs} == {sum(run["steps"] for run in runs)}  # every gradient, once
 
 
 @pytest.mark.parametrize("mode", ["full", "solo"])

@@ -7,7 +7,9 @@ drawn at random (the same draw on every rank), sleeps 200, 300 or 400 ms before
 computing; compute itself is padded to a fixed time per step so that ranks
 sharing two cores still compute at equal speed. Synchronous SGD (an allreduce
 of the gradients each step) runs against EagerSGD with solo and majority
-partial allreduce. One launch measures every mode and delay.
+partial allreduce. Every mode does the same work: synchronous SGD its epochs,
+EagerSGD until the group has summed as many gradients. One launch measures
+every mode and delay.
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -15,10 +17,12 @@ Run as a module under torchrun it is the worker; imported, it is the benchmark.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +173,13 @@ def synchronous_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
     optimizer.step()
 
 
+def _batches(size: int, local_batch: int, seed: int, rank: int) -> Iterator[torch.Tensor]:
+    """This rank's batches, epoch after epoch, each epoch in a fresh seeded order (the last partial batch dropped)."""
+    for epoch in itertools.count():
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch + 1000 * rank))
+        yield from order[: size // local_batch * local_batch].split(local_batch)
+
+
 def _train(args: argparse.Namespace, mode: str, delay_ms: float, catch_up: bool,
            data: tuple[torch.Tensor, torch.Tensor], progress: tqdm) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -182,30 +193,34 @@ def _train(args: argparse.Namespace, mode: str, delay_ms: float, catch_up: bool,
     eager = None if mode == "sync" else EagerSGD(optimizer, model, mode=mode, catch_up=catch_up)
     inputs, targets = data
     steps_per_epoch = inputs.shape[0] // local_batch
+    budget = args.epochs * steps_per_epoch * world_size  # the gradients synchronous SGD computes
     dist.barrier()
     started = time.perf_counter()
     step = 0
-    for epoch in range(args.epochs):
-        shuffle = torch.Generator().manual_seed(args.seed + epoch + 1000 * rank)
-        order = torch.randperm(inputs.shape[0], generator=shuffle)
-        for batch in order[: steps_per_epoch * local_batch].split(local_batch):
-            time.sleep(emulation.straggler_delay_s(step, rank, world_size))
-            with emulation.compute(rank, local_batch):
-                (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
-                nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
-            if eager is None:
-                synchronous_step(model, optimizer)
-            else:
-                eager.step()
-            step += 1
-            progress.update()
+    for batch in _batches(inputs.shape[0], local_batch, args.seed, rank):
+        # Synchronous SGD runs its epochs; EagerSGD runs until the group has summed as many gradients, so every
+        # rank keeps contributing to the end instead of the last few pulling the model toward their own shards.
+        if (eager.gradients if eager is not None else step * world_size) >= budget:
+            break
+        time.sleep(emulation.straggler_delay_s(step, rank, world_size))
+        with emulation.compute(rank, local_batch):
+            (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
+            nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
+        if eager is None:
+            synchronous_step(model, optimizer)
+        else:
+            eager.step()
+        step += 1
+        progress.update()
     if eager is not None:
         eager.close()
     wall_s = time.perf_counter() - started
     divergence = eager.divergence() if eager is not None else 0.0
-    return {"mode": mode, "delay_ms": delay_ms, "catch_up": catch_up, "steps": step, "wall_s": wall_s,
-            "steps_per_s": step / wall_s, "rounds": eager.rounds if eager is not None else step,
-            "divergence": divergence, "model": model}
+    gradients = eager.gradients if eager is not None else step * world_size
+    # "steps": the group's gradients per rank, so that steps per second compare the work done, mode to mode
+    return {"mode": mode, "delay_ms": delay_ms, "catch_up": catch_up, "steps": gradients / world_size,
+            "local_steps": step, "wall_s": wall_s, "steps_per_s": gradients / world_size / wall_s,
+            "rounds": eager.rounds if eager is not None else step, "divergence": divergence, "model": model}
 
 
 def _worker(argv: list[str]) -> None:

@@ -127,6 +127,10 @@ class EagerSGD:
         """Rounds applied with the optimizer (fewer than ``rounds`` with ``catch_up=False`` or empty rounds)."""
         self.syncs = 0
         """Parameter averagings so far."""
+        self.gradients = 0
+        """Gradients summed into the rounds received so far: the group's work, the same on every rank after the
+        same round. A budget on it stops every rank at about the same point, where fixed per-rank step counts
+        let the last ranks to finish drag the model toward their own data."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Apply the rounds completed since the last step, then clear the gradients.
@@ -205,6 +209,7 @@ class EagerSGD:
             if self.catch_up or index == len(rounds) - 1:
                 self._apply(result)
             self.rounds = result.round + 1
+            self.gradients += result.parts
             if self.sync_every and self.rounds % self.sync_every == 0:
                 self.synchronize()
 

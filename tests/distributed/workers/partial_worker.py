@@ -129,7 +129,8 @@ def eager_divergence(rank: int, mode: str, steps: int = 30) -> dict:
         nn.functional.mse_loss(model(inputs), targets).backward()
         eager.step()
     eager.close()
-    return {"divergence": eager.divergence(), "rounds": eager.rounds, "applied": eager.applied}
+    return {"divergence": eager.divergence(), "rounds": eager.rounds, "applied": eager.applied,
+            "gradients": eager.gradients, "steps": steps}
 
 
 def semantics(rank: int, world_size: int) -> dict:

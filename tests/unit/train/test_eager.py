@@ -37,6 +37,7 @@ def test_alone_it_is_exactly_the_wrapped_optimizer(one_rank, mode):
         _train(model, eager.step, eager.zero_grad)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     assert (eager.steps, eager.rounds, eager.applied) == (10, 11, 10)  # round 10: the empty flush at close
+    assert eager.gradients == 10  # one per step: the empty flush holds none
     assert eager.divergence() == 0.0
 
 
