@@ -49,14 +49,18 @@ def test_each_device_receives_exactly_its_planned_disjoint_samples(out, transpor
     assert sorted(seen) == list(range(SIZE))  # disjoint and complete
 
 
+def assert_weighted_average(path, models, weights, *, atol, rank):
+    """The state dict saved at ``path`` is sum_i weights[i] * models[i], tensor by tensor."""
+    for name, tensor in torch.load(path).items():
+        expected = weighted_average([m[name] for m in models], weights)
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=atol, msg=f"rank {rank} {name}")
+
+
 def test_weighted_averaging_equals_the_hand_computed_average(out):
     weights = merge_weights(AVERAGING_COUNTS)
     models = [make_model(10 + rank).state_dict() for rank in range(RANKS)]
     for rank in range(RANKS):
-        averaged = torch.load(out / f"averaged_{rank}.pt")
-        for name, tensor in averaged.items():
-            expected = weighted_average([m[name] for m in models], weights)
-            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=f"rank {rank} {name}")
+        assert_weighted_average(out / f"averaged_{rank}.pt", models, weights, atol=1e-6, rank=rank)
 
 
 def test_one_cadp_epoch_equals_local_training_then_the_d_weighted_average(out):
@@ -79,10 +83,7 @@ def test_one_cadp_epoch_equals_local_training_then_the_d_weighted_average(out):
     weights = merge_weights(planned)
     for rank in range(RANKS):
         assert report(out, rank)["cadp"]["samples"] == planned[rank]
-        merged = torch.load(out / f"cadp_{rank}.pt")
-        for name, tensor in merged.items():
-            expected = weighted_average([m[name] for m in local_models], weights)
-            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+        assert_weighted_average(out / f"cadp_{rank}.pt", local_models, weights, atol=1e-5, rank=rank)
 
 
 def test_per_step_gradient_allreduce_equals_one_process_on_the_union_of_the_batches(out):

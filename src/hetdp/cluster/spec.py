@@ -10,7 +10,7 @@ import json
 import math
 import numbers
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -186,12 +186,7 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
         """Build from the parsed TOML structure (top-level keys and a ``devices`` list of tables)."""
-        unknown = sorted(set(data) - _CLUSTER_KEYS)
-        if unknown:
-            raise ConfigError(f"cluster: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_CLUSTER_KEYS))}")
-        for key in ("sample_bytes", "model_bytes"):
-            if key not in data:
-                raise ConfigError(f"cluster: missing field {key!r}")
+        _check_fields("cluster", data, allowed=_CLUSTER_KEYS, required=("sample_bytes", "model_bytes"))
         base_time = data.get("base_batch_time_s")
         base_size = data.get("base_batch_size")
         if base_time is not None:
@@ -244,12 +239,7 @@ def _device_from_dict(
     label = f"device {name!r}" if isinstance(name, str) and name else f"devices[{index}]"
     if "name" not in entry:
         raise ConfigError(f"{label}: missing field 'name'")
-    unknown = sorted(set(entry) - _DEVICE_KEYS)
-    if unknown:
-        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_DEVICE_KEYS))}")
-    for key in ("batch_size", "bandwidth_mbps"):
-        if key not in entry:
-            raise ConfigError(f"{label}: missing field {key!r}")
+    _check_fields(label, entry, allowed=_DEVICE_KEYS, required=("batch_size", "bandwidth_mbps"))
     values = {key: value for key, value in entry.items() if key != "speed"}
     if "speed" in entry:
         if "batch_time_s" in entry:
@@ -264,6 +254,16 @@ def _device_from_dict(
     elif "batch_time_s" not in entry:
         raise ConfigError(f"{label}: missing field 'batch_time_s' (or 'speed')")
     return DeviceSpec(**values)
+
+
+def _check_fields(label: str, data: Mapping[str, Any], *, allowed: frozenset[str], required: Sequence[str]) -> None:
+    """Reject the first unknown field, then the first missing required one, naming ``label``."""
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"{label}: missing field {key!r}")
 
 
 def _check_int(label: str, key: str, value: Any, *, minimum: int) -> None:

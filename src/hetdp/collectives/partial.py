@@ -301,10 +301,7 @@ class PartialAllreduce:
             ConfigError: ``tensor`` has the wrong number of elements.
             HetDPError: the instance is closed.
         """
-        if self._closed:
-            raise HetDPError("this PartialAllreduce is closed")
-        if self._book.error is not None:
-            raise self._book.error
+        self._ensure_open()
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.numel:
             got = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ConfigError(f"allreduce expects a tensor of {self.numel} elements, got {got}")
@@ -328,12 +325,8 @@ class PartialAllreduce:
             PeerTimeoutError: a peer died or a round failed earlier.
             HetDPError: the instance is closed.
         """
-        if self._closed:
-            raise HetDPError("this PartialAllreduce is closed")
-        if self._book.error is not None:
-            raise self._book.error
-        like = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        return tuple(self._to_caller(result, like) for result in self._book.collect_completed())
+        self._ensure_open()
+        return tuple(self._to_caller(result) for result in self._book.collect_completed())
 
     def flush(self, on_round: Callable[[PartialResult], None] | None = None) -> tuple[PartialResult, ...]:
         """Wait until every rank flushes, then run one last round that empties every send buffer.
@@ -357,10 +350,7 @@ class PartialAllreduce:
                 names a rank that has not flushed), or a peer died meanwhile.
             HetDPError: the instance is closed.
         """
-        if self._closed:
-            raise HetDPError("this PartialAllreduce is closed")
-        if self._book.error is not None:
-            raise self._book.error
+        self._ensure_open()
         return tuple(self._flush(on_round, FLUSH))
 
     def close(self, on_round: Callable[[PartialResult], None] | None = None) -> tuple[PartialResult, ...]:
@@ -439,6 +429,12 @@ class PartialAllreduce:
             return PeerTimeoutError(f"round {round_index} did not fire within {round_s:g} s, and the store at "
                                     f"{self._store_address} stopped answering: {error}", timeout_s=round_s)
 
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise HetDPError("this PartialAllreduce is closed")
+        if self._book.error is not None:
+            raise self._book.error
+
     def _raise_store_lost(self, error: BaseException) -> None:
         owner = "rank 0" if self._hosted else "the launcher (MASTER_ADDR:MASTER_PORT)"
         lost = PeerTimeoutError(f"lost the c10d store at {self._store_address} (hosted by {owner}): {error}",
@@ -451,14 +447,16 @@ class PartialAllreduce:
         results = [self._to_caller(result, like) for result in results]
         return dataclasses.replace(results[-1], missed=tuple(results[:-1]))
 
-    def _to_caller(self, result: PartialResult, like: torch.Tensor) -> PartialResult:
+    def _to_caller(self, result: PartialResult, like: torch.Tensor | None = None) -> PartialResult:
+        """``result`` with its tensor shaped, typed and placed like ``like`` (default: the declared tensor)."""
+        shape, dtype, device = (self._shape, self._dtype, self._device) if like is None else (
+            like.shape, like.dtype, like.device)
         tensor = result.tensor
-        if tensor.device != like.device or tensor.dtype != like.dtype:
-            tensor = tensor.to(device=like.device, dtype=like.dtype)
-        return dataclasses.replace(result, tensor=tensor.view(like.shape))
+        if tensor.device != device or tensor.dtype != dtype:
+            tensor = tensor.to(device=device, dtype=dtype)
+        return dataclasses.replace(result, tensor=tensor.view(shape))
 
     def _flush(self, on_round: Callable[[PartialResult], None] | None, verdict: bytes) -> list[PartialResult]:
-        like = torch.empty(self._shape, dtype=self._dtype, device=self._device)
         target = self._book.flushes + 1
         try:
             flushing = self._control.flush_and_fire(self._book.next_round, verdict)
@@ -469,7 +467,7 @@ class PartialAllreduce:
         while True:
             done = self._book.flushes >= target
             for result in self._book.collect_completed():
-                out.append(self._to_caller(result, like))
+                out.append(self._to_caller(result))
                 if on_round is not None:
                     on_round(out[-1])
             if done:
