@@ -1,11 +1,12 @@
 """Recursive-doubling allreduce over point-to-point sends: log2(P) exchanges instead of a ring's 2(P - 1) hops.
 
-A partial-allreduce round is latency-bound for small payloads, and a ring's
-hops each wait for a process to be scheduled; the eager-SGD paper runs its
-rounds with recursive doubling too (section 4.1). Every rank ends with the same
-bits: each exchange adds two partial sums that both partners hold, and IEEE
-addition is commutative. Ranks beyond the largest power of two fold their data
-into a partner first and receive the result last.
+Partial-allreduce rounds and the last gradient bucket of a synchronous step are
+latency-bound for small payloads, and a ring's hops each wait for a process to
+be scheduled; the eager-SGD paper runs its rounds with recursive doubling too
+(section 4.1). Every rank ends with the same bits: each exchange adds two
+partial sums that both partners hold, and IEEE addition is commutative. Ranks
+beyond the largest power of two fold their data into a partner first and
+receive the result last.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+MAX_BYTES = 1 << 20
+"""Payloads up to this size are latency-bound: doubling's log2(P) exchanges beat a ring's 2(P - 1) hops. Larger
+ones are bandwidth-bound, where the backend's ring (each byte sent twice, not log2(P) times) wins."""
+
+
+def is_latency_bound(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is small enough to allreduce by doubling rather than by the backend's ring."""
+    return tensor.numel() * tensor.element_size() <= MAX_BYTES
+
 
 STEPS_PER_ROUND = 64
 """Tags per round: at most 2 + log2(P) exchanges, so rounds never share a tag."""

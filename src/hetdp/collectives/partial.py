@@ -32,10 +32,6 @@ from hetdp.runtime import Timeouts
 
 log = logging.getLogger(__name__)
 
-DOUBLING_MAX_BYTES = 1 << 20
-"""Payloads up to this size travel by recursive doubling (log2(P) exchanges, latency-bound rounds); larger ones
-by the backend's own allreduce (gloo's ring, bandwidth-bound)."""
-
 
 @dataclass(kw_only=True, frozen=True)
 class PartialConfig:
@@ -586,7 +582,7 @@ class PartialAllreduce:
             work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
         try:
-            if self._data_group is self._group and payload.numel() * payload.element_size() <= DOUBLING_MAX_BYTES:
+            if self._data_group is self._group and doubling.is_latency_bound(payload):
                 doubling.allreduce(self._group, payload, self.rank, self.world_size, round_index, wait_point_to_point)
             else:
                 for work in [self._data_group.allreduce([chunk]) for chunk in payload.split(self._bucket_numel)]:

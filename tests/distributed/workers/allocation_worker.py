@@ -14,20 +14,27 @@ import hetdp
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 
+WIDE = 800_000
+"""Width of the ``many_buckets`` model: 8.8 M parameters, above DDP's 25 MB bucket cap."""
+
+
 def make_dataset(size: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(size, 6, generator=generator)
     return TensorDataset(inputs, (inputs.sum(1) > 0).long())
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, wide: int = 0) -> nn.Module:
+    """A tiny MLP; ``wide`` > 0 inserts a layer big enough that DDP splits the gradient into several buckets."""
     torch.manual_seed(seed)
+    if wide:
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, wide), nn.Tanh(), nn.Linear(wide, 2))
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def train(config: AllocationConfig, size: int, epochs: range, *, emulation=None, resume: Path | None = None,
-          save: Path | None = None, init_seed: int = 0):
-    model = make_model(init_seed)
+          save: Path | None = None, init_seed: int = 0, wide: int = 0):
+    model = make_model(init_seed, wide)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     trainer = AllocatedTrainer(model, optimizer, make_dataset(size), config, emulation=emulation)
     if resume is not None:
@@ -46,16 +53,20 @@ def main() -> None:
     rank, _ = hetdp.init_distributed()
     results = {}
 
-    # Gradient equivalence: unequal shares, accumulation, a partial last step, and batch mode with a memory cap.
+    # Gradient equivalence: unequal shares, accumulation, a partial last step, batch mode with a memory cap, and a
+    # model whose gradient spans several DDP buckets (earlier ones by gloo's allreduce, the last by doubling).
     static = AllocationConfig(policy="static", weights=(1.0, 2.0, 3.0), global_batch=12, micro_batch=2)
-    for name, config, size in [
-        ("one_step", static, 12),
-        ("partial_epoch", static, 29),
+    for name, config, size, wide in [
+        ("one_step", static, 12, 0),
+        ("partial_epoch", static, 29, 0),
         ("batch_mode", AllocationConfig(policy="static", weights=(1.0, 2.0, 3.0), global_batch=12, mode="batch",
-                                        max_batch=(8, 2, 8)), 29),
+                                        max_batch=(8, 2, 8)), 29, 0),
+        ("many_buckets", static, 29, WIDE),
     ]:
-        trainer, reports = train(config, size, range(1))
-        results[name] = {"shares": reports[0].shares, "samples": reports[0].samples}
+        trainer, reports = train(config, size, range(1), wide=wide)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        results[name] = {"shares": reports[0].shares, "samples": reports[0].samples,
+                         "buckets_at_least": -(-gradient_bytes // trainer.model.bucket_bytes_cap)}
         if rank == 0:
             torch.save(trainer.model.module.state_dict(), out / f"{name}.pt")
 
