@@ -11,7 +11,8 @@ receive the result last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,19 +55,23 @@ def exchanges(rank: int, world_size: int) -> list[tuple[str, int, int]]:
 
 
 def allreduce(
-    group: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world_size: int, tag: int,
-    wait: Callable[[dist.Work], None],
+    group: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world_size: int, tag: int, deadline: float
 ) -> None:
-    """Sum ``tensor`` over ``group`` in place by recursive doubling; ``wait`` waits on each send or receive.
+    """Sum ``tensor`` over ``group`` in place by recursive doubling, failing past ``deadline``.
 
     Args:
         group: a backend with ``send`` / ``recv`` (a ProcessGroupGloo).
         tensor: this rank's contribution; the sum on return, bitwise identical on every rank.
         tag: distinct per call (a round's index): messages of two calls never match each other.
-        wait: blocks until a work completes; raises to abandon the reduction.
+        deadline: ``time.monotonic()`` by which the whole reduction must end; past it the backend raises.
     """
     base = (tag % (2**31 // STEPS_PER_ROUND)) * STEPS_PER_ROUND
     incoming = torch.empty_like(tensor)
+
+    def wait(work: dist.Work) -> None:
+        # A gloo send or receive cannot be re-waited after a timed-out wait: wait once, up to the deadline.
+        work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
     for kind, peer, offset in exchanges(rank, world_size):
         if kind in ("send", "unfold"):
             wait(group.send([tensor], peer, base + offset))

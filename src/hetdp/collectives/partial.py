@@ -577,13 +577,9 @@ class PartialAllreduce:
                 if time.monotonic() > deadline:
                     raise _Abandoned(control.roll_call(round_index, f"no answer within {round_s:g} s", deadline))
 
-        def wait_point_to_point(work: dist.Work) -> None:
-            # A bounded wait would cancel a gloo send or receive: wait once, up to the round's deadline.
-            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-
         try:
             if self._data_group is self._group and doubling.is_latency_bound(payload):
-                doubling.allreduce(self._group, payload, self.rank, self.world_size, round_index, wait_point_to_point)
+                doubling.allreduce(self._group, payload, self.rank, self.world_size, round_index, deadline)
             else:
                 for work in [self._data_group.allreduce([chunk]) for chunk in payload.split(self._bucket_numel)]:
                     wait_collective(work)
