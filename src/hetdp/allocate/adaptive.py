@@ -96,7 +96,9 @@ class AdaptiveAllocator:
         self.rejected: list[list[int]] = []
         """Plans that measured slower than the ones they replaced; proposing one again counts as calm."""
         self.noise_cv = 0.0
-        """Relative standard deviation of one step's compute time, pooled over the updates that reported it."""
+        """Relative standard deviation of one step's compute time, pooled over the updates that reported it since
+        the shares last changed: other shares have other noise (ranks sharing cores contend differently), and a
+        noisy first window must not hold back the re-plans after it."""
         self._noise_reports = 0
         self.calm_updates = 0
         self.updates = 0
@@ -130,7 +132,7 @@ class AdaptiveAllocator:
             self.trial = None
             if step_s > replaced_step_s:
                 self.rejected.append(self.shares)
-                self.shares = replaced_shares
+                self._set_shares(replaced_shares)
                 self.calm_updates += 1
                 return list(self.shares)
             self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
@@ -148,8 +150,12 @@ class AdaptiveAllocator:
             self.calm_updates = 0
             if self.verify:
                 self.trial = (self.shares, step_s)
-            self.shares = new_shares
+            self._set_shares(new_shares)
         return list(self.shares)
+
+    def _set_shares(self, shares: list[int]) -> None:
+        self.shares = shares
+        self.noise_cv, self._noise_reports = 0.0, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {

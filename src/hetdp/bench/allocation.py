@@ -240,6 +240,7 @@ def _train_policy(
     rows, wall_s = [], 0.0
     for epoch in range(args.epochs):
         start_shares = trainer.shares
+        dist.barrier()  # the previous epoch's evaluation ends at different times on different ranks: not training
         report = trainer.train_epoch(epoch)
         wall_s += report.epoch_s
         rows.append({**vars(report), "policy": policy, "start_shares": start_shares, "wall_s": wall_s,

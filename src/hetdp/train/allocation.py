@@ -145,10 +145,10 @@ class _SyncClock:
     """When this rank's last gradient bucket became ready: the end of its compute, before any waiting.
 
     On CUDA the times come from events on the device's timeline, since the host
-    only queues kernels; on the CPU from the host clock. The step's emulated
-    slowness (``pad``) runs just before the last bucket's allreduce, after all of
-    the step's real compute, so the real work of ranks sharing a few cores
-    overlaps with their sleeps instead of delaying the allreduce.
+    only queues kernels; on the CPU from the host clock. Most of the step's
+    emulated slowness (``pad``) runs just before the last bucket's allreduce,
+    after all of the step's real compute, so the real work of ranks sharing a
+    few cores overlaps with their sleeps instead of delaying the allreduce.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -427,6 +427,9 @@ class AllocatedTrainer:
             time.sleep(straggle_s)
         self._step_count += 1
         self._clock.start(pad=lambda: self._pad(len(indices)))
+        lead_s = self.emulation.lead_s(self.rank, len(indices))
+        if lead_s > 0:
+            time.sleep(lead_s)
         self.optimizer.zero_grad()
         chunk = self.config.chunk_size(self.rank, len(indices))
         pieces = [indices[i : i + chunk] for i in range(0, len(indices), chunk)] or [[]]
@@ -470,7 +473,8 @@ class AllocatedTrainer:
     def _pad(self, samples: int) -> None:
         """Emulated slowness: sleep so that the allreduce starts when the emulated device would have finished.
 
-        Counted from the compute's start, so an injected straggler delay comes on top.
+        Counted from the compute's start, so the lead slept before it is included and an injected straggler
+        delay comes on top.
         """
         synchronize(self.device)
         pad_s = self.emulation.padding_s(self.rank, time.perf_counter() - self._clock.started_at, samples)

@@ -24,6 +24,15 @@ def test_synthetic_mode_pads_to_samples_times_cost_over_speed():
     assert emulation.padding_s(0, measured_s=1.0, samples=8) == 0.0  # real compute already slower
 
 
+def test_synthetic_mode_sleeps_a_lead_first_and_counts_it_in_the_block():
+    emulation = Emulation(speeds=(1.0, 4.0), sample_cost_ms=2.0)
+    lead_s = emulation.lead_s(1, samples=8)
+    assert 0 < lead_s < 0.004
+    measured_s = lead_s + 0.001
+    assert measured_s + emulation.padding_s(1, measured_s=measured_s, samples=8) == pytest.approx(0.004)
+    assert Emulation(speeds=(1.0, 4.0)).lead_s(0, samples=8) == 0.0  # stretching cannot know the length ahead
+
+
 @given(seed=st.integers(0, 100), step=st.integers(0, 1000), world=st.integers(1, 16), count=st.integers(0, 4))
 def test_straggler_draws_are_a_function_of_seed_and_step(seed, step, world, count):
     first = Emulation(straggler_count=count, straggler_delay_ms=5.0, seed=seed)
