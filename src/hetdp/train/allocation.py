@@ -166,7 +166,10 @@ class _SyncClock:
 
     def mark_ready(self, last_bucket: bool) -> None:
         if last_bucket and self.pad is not None:
-            self.pad()
+            # Dropped once run: it refers to the trainer, which holds DDP, which holds this clock. Without the
+            # cycle, the trainer's process group is freed (and its gloo threads joined) when the trainer is.
+            pad, self.pad = self.pad, None
+            pad()
         self.ready_at = time.perf_counter()
         if self.events:
             self.events[1].record()
