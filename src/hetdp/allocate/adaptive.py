@@ -42,8 +42,9 @@ class AdaptiveAllocator:
     time when the caller reports the timing noise (``step_cv``); otherwise the shares
     stay, so timing noise on equal workers moves nothing. With ``verify``, an applied
     re-plan is a trial: if the next measurement finds the step slower than before it,
-    the old shares come back and that plan is not tried again. This catches what the rule cannot see, such as ranks that share
-    cores or a bus, where one rank's measured speed depends on the others' shares.
+    the old shares come back and that plan is not tried again. This catches what the
+    rule cannot see, such as ranks that share cores or a bus, where one rank's
+    measured speed depends on the others' shares.
     After ``patience`` calm updates in a row the allocation is *stable* and, as the
     paper does, re-planning stops (unless ``freeze_when_stable`` is False).
 

@@ -27,6 +27,12 @@ would otherwise start computing the moment they leave a collective, starving the
 on 2 cores: the allreduce's tail after the last arrival fell from about 11 ms to 3.6 ms)."""
 
 
+def sleep(seconds: float) -> None:
+    """Sleep for a computed remainder of emulated time; a remainder that is not positive sleeps not at all."""
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def parse_speeds(text: str, nproc: int | None = None) -> tuple[float, ...]:
     """Parse ``"1,1,2,4"`` into positive relative speeds, one per rank.
 
@@ -152,13 +158,9 @@ class Emulation:
         """Run a compute block between two sleeps (``lead_s``, ``padding_s``) so that it lasts as long as on the
         emulated device."""
         start = time.perf_counter()
-        lead_s = self.lead_s(rank, samples)
-        if lead_s > 0:
-            time.sleep(lead_s)
+        sleep(self.lead_s(rank, samples))
         yield
-        pad_s = self.padding_s(rank, time.perf_counter() - start, samples)
-        if pad_s > 0:
-            time.sleep(pad_s)
+        sleep(self.padding_s(rank, time.perf_counter() - start, samples))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -182,7 +184,5 @@ class Link:
 
     def throttle(self, nbytes: float, measured_s: float) -> None:
         """Sleep so that a transfer that really took ``measured_s`` lasts as long as on this link."""
-        pad_s = self.transfer_s(nbytes) - measured_s
-        if pad_s > 0:
-            time.sleep(pad_s)
+        sleep(self.transfer_s(nbytes) - measured_s)
 

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.sampler import WeightedDistributedSampler
-from hetdp.cluster.emulate import Emulation
+from hetdp.cluster.emulate import Emulation, sleep
 from hetdp.collectives import doubling
 from hetdp.errors import CheckpointError, ConfigError, PeerTimeoutError
 from hetdp.runtime import local_device, synchronize
@@ -142,37 +142,51 @@ def diagnose_straggler(compute_s: Sequence[float], wait_s: Sequence[float]) -> s
 
 
 class _SyncClock:
-    """When this rank's last gradient bucket became ready: the end of its compute, before any waiting.
+    """When this rank's compute ended (its last gradient bucket ready, before any waiting), each step paced to the
+    emulated device.
 
     On CUDA the times come from events on the device's timeline, since the host
-    only queues kernels; on the CPU from the host clock. Most of the step's
-    emulated slowness (``pad``) runs just before the last bucket's allreduce,
-    after all of the step's real compute, so the real work of ranks sharing a
-    few cores overlaps with their sleeps instead of delaying the allreduce.
+    only queues kernels; on the CPU from the host clock. The emulated slowness
+    runs in two sleeps: a lead at ``start``, before the real compute, so ranks
+    leaving the last allreduce leave the cores to peers still in it; and the
+    rest just before the last bucket's allreduce, after all of the step's real
+    compute, so the real work of ranks sharing a few cores overlaps with their
+    sleeps instead of delaying the allreduce.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, emulation: Emulation, rank: int) -> None:
+        self.device = device
+        self.emulation = emulation
+        self.rank = rank
         self.events = (
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
         )
         self.started_at = self.ready_at = 0.0
-        self.pad: Callable[[], None] | None = None
+        self.samples: int | None = None
+        """The started step's sample count, until its padding has run."""
 
-    def start(self, pad: Callable[[], None] | None = None) -> None:
+    def start(self, samples: int) -> None:
         self.started_at = self.ready_at = time.perf_counter()
-        self.pad = pad
+        self.samples = samples
         if self.events:
             self.events[0].record()
+        sleep(self.emulation.lead_s(self.rank, samples))
 
     def mark_ready(self, last_bucket: bool) -> None:
-        if last_bucket and self.pad is not None:
-            # Dropped once run: it refers to the trainer, which holds DDP, which holds this clock. Without the
-            # cycle, the trainer's process group is freed (and its gloo threads joined) when the trainer is.
-            pad, self.pad = self.pad, None
-            pad()
+        if last_bucket and self.samples is not None:
+            self._pad(self.samples)
+            self.samples = None
         self.ready_at = time.perf_counter()
         if self.events:
             self.events[1].record()
+
+    def _pad(self, samples: int) -> None:
+        """Sleep so that the allreduce starts when the emulated device would have finished.
+
+        Counted from ``start``, so the lead is included and an injected straggler delay comes on top.
+        """
+        synchronize(self.device)
+        sleep(self.emulation.padding_s(self.rank, time.perf_counter() - self.started_at, samples))
 
     def compute_s(self) -> float:
         """Seconds from ``start`` to the last ``mark_ready``; call after synchronizing the device."""
@@ -309,7 +323,7 @@ class AllocatedTrainer:
         self.device = local_device()
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(model.to(self.device), device_ids=device_ids, process_group=group)
-        self._clock = _SyncClock(self.device)
+        self._clock = _SyncClock(self.device, self.emulation, self.rank)
         self.model.register_comm_hook(_GradientSum(self._clock, group, config.step_timeout_s), _sum_gradients)
         self.allocator = AdaptiveAllocator(
             self.world_size,
@@ -425,14 +439,9 @@ class AllocatedTrainer:
     def _step(self, indices: list[int], global_count: int) -> tuple[float, float, float]:
         """One synchronized step on this rank's ``indices``; returns (compute s, wait s, summed loss)."""
         started = time.perf_counter()
-        straggle_s = self.emulation.straggler_delay_s(self._step_count, self.rank, self.world_size)
-        if straggle_s:
-            time.sleep(straggle_s)
+        sleep(self.emulation.straggler_delay_s(self._step_count, self.rank, self.world_size))
         self._step_count += 1
-        self._clock.start(pad=lambda: self._pad(len(indices)))
-        lead_s = self.emulation.lead_s(self.rank, len(indices))
-        if lead_s > 0:
-            time.sleep(lead_s)
+        self._clock.start(len(indices))
         self.optimizer.zero_grad()
         chunk = self.config.chunk_size(self.rank, len(indices))
         pieces = [indices[i : i + chunk] for i in range(0, len(indices), chunk)] or [[]]
@@ -472,17 +481,6 @@ class AllocatedTrainer:
                 rank=self.rank,
                 timeout_s=timeout_s,
             ) from error
-
-    def _pad(self, samples: int) -> None:
-        """Emulated slowness: sleep so that the allreduce starts when the emulated device would have finished.
-
-        Counted from the compute's start, so the lead slept before it is included and an injected straggler
-        delay comes on top.
-        """
-        synchronize(self.device)
-        pad_s = self.emulation.padding_s(self.rank, time.perf_counter() - self._clock.started_at, samples)
-        if pad_s > 0:
-            time.sleep(pad_s)
 
     def state_dict(self) -> dict[str, Any]:
         return {
