@@ -9,6 +9,7 @@ synchronization (how contributions combine: allreduce, partial, local).
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.planner import DevicePlan, Plan, plan
+from hetdp.allocate.policy import Adaptive, Equal, Planned, Static
 from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
@@ -16,32 +17,46 @@ from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, init_distributed
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, EpochReport
+from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
+from hetdp.train.ddp import DDP, DistributedDataParallel
 from hetdp.train.eager import EagerSGD
+from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
 
 __all__ = [
+    "Adaptive",
     "AdaptiveAllocator",
     "AllocatedTrainer",
     "AllocationConfig",
+    "Allreduce",
     "CadpConfig",
     "CadpResult",
     "CheckpointError",
     "ClusterSpec",
     "ConfigError",
+    "DDP",
     "DevicePlan",
     "DeviceSpec",
+    "DistributedDataParallel",
     "EagerSGD",
     "Emulation",
     "EpochReport",
+    "Equal",
     "HetDPError",
     "Link",
+    "LocalAveraging",
+    "MetricsConfig",
+    "Partial",
     "PartialAllreduce",
     "PartialConfig",
     "PartialResult",
     "PeerTimeoutError",
     "Plan",
+    "Planned",
     "ProbeConfig",
+    "Static",
+    "StepFigures",
     "Timeouts",
     "WeightedDistributedSampler",
     "apportion",

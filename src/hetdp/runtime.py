@@ -93,6 +93,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PEER_FAILURE_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "pair closure",
+    "communicator was aborted",
+)
+"""Lower-case fragments of the errors gloo and NCCL raise, as plain RuntimeErrors, when a peer died or went
+silent past a deadline (for example gloo's "Connection closed by peer" and "Timed out waiting 3000ms")."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether a collective failed because a peer died or hung, rather than from a bug or a bad argument."""
+    if isinstance(error, dist.DistError):
+        return not isinstance(error, dist.DistStoreError) or "timeout" in str(error).lower()
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
+
+
+def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseException) -> PeerTimeoutError:
+    """The PeerTimeoutError a collective's failure becomes, naming this rank and the deadline."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return PeerTimeoutError(
+        f"rank {rank}: {what} failed within {timeout_s:g} s: a peer died or hung ({text})",
+        rank=rank,
+        timeout_s=timeout_s,
+    )
+
+
 def wait_for(work: dist.Work, what: str, timeout_s: float) -> None:
     """Wait for an asynchronous collective or transfer; a silent peer becomes a PeerTimeoutError.
 
@@ -102,12 +134,9 @@ def wait_for(work: dist.Work, what: str, timeout_s: float) -> None:
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as error:
-        rank = dist.get_rank() if dist.is_initialized() else None
-        raise PeerTimeoutError(
-            f"rank {rank}: {what} did not finish within {timeout_s:.4g} s (a peer died or is stuck): {error}",
-            rank=rank,
-            timeout_s=timeout_s,
-        ) from error
+        if not is_peer_failure(error):
+            raise
+        raise peer_failure(dist.get_rank() if dist.is_initialized() else None, what, timeout_s, error) from error
 
 
 def barrier(group: dist.ProcessGroup | None = None, timeout_s: float = Timeouts.round_s) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp import WeightedDistributedSampler, apportion
+from hetdp import apportion
+from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from allocation_worker import WIDE, make_dataset, make_model  # noqa: E402
@@ -28,15 +29,15 @@ def results(tmp_path_factory, torchrun):
 def reference_parameters(size: int, shares: list[int], epochs: int = 1, wide: int = 0) -> dict[str, torch.Tensor]:
     """One process, whole global batch per step, mean loss: what unequal ranks must reproduce."""
     model = make_model(0, wide)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
     inputs, targets = make_dataset(size).tensors
-    sampler = WeightedDistributedSampler(range(size), shares, 0)
+    step = sum(shares)
+    sampler = StepSampler(size, step, 0, shares_at=lambda _: shares, shuffle=True, seed=0, drop_last=False)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        order, cursor = sampler.permutation(), 0
-        for block in sampler.blocks():
-            batch = torch.tensor(order[cursor : cursor + sum(block)])
-            cursor += sum(block)
+        order = sampler.permutation()
+        for first in range(0, size, step):
+            batch = torch.tensor(order[first : first + step])
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(inputs[batch]), targets[batch]).backward()
             optimizer.step()
@@ -57,8 +58,9 @@ def test_unequal_shares_give_the_same_parameters_as_one_process(results, name, s
     assert figures[name]["shares"] == shares == [2, 4, 6]
     assert sum(figures[name]["samples"]) == size
     assert (figures[name]["buckets_at_least"] > 1) == bool(wide), figures[name]
-    # The wide model's first-layer gradient sums 800k terms into weights of size ~40: compare relatively too.
-    rtol = 1e-5 if wide else 0.0
+    # The wide model's first-layer gradient sums 800k float32 terms, in another order on 3 ranks than in one
+    # process: its rounding is about sqrt(800k) x 6e-8 of the sum, so compare relatively too.
+    rtol = 1e-4 if wide else 0.0
     assert_same_parameters(torch.load(out / f"{name}.pt"), reference_parameters(size, shares, wide=wide), rtol=rtol)
 
 
@@ -80,4 +82,4 @@ def test_a_hung_peer_ends_in_peer_timeout_error_not_a_hang(torchrun):
     result = torchrun("allocation_hang_worker.py", 3, expect_rc=None, timeout_s=50)
     assert result.returncode != 0
     assert "hetdp.errors.PeerTimeoutError: rank" in result.stdout
-    assert "failed within step_timeout_s=3: a peer died or hung" in result.stdout
+    assert "failed within 3 s: a peer died or hung" in result.stdout

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hetdp.train.distribute import partition
-from hetdp.train.local import epoch_order, merge_weights, weighted_average
+from hetdp.sync.averaging import merge_weights
+from hetdp.train.local import epoch_order, weighted_average
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402

@@ -34,19 +34,26 @@ def measured_speeds(shares: Sequence[int], seconds: Sequence[float]) -> list[flo
 class AdaptiveAllocator:
     """Keep per-rank shares of a fixed total and re-plan them from measured compute times.
 
-    Each ``update`` applies the paper's rule to speeds smoothed by an exponential
-    moving average (``smoothing`` is the weight of the past; 0 trusts the newest
-    measurement alone). A re-plan is applied only if it pays: if the predicted step
-    time under the new shares is at least ``tolerance`` (a fraction) below the
-    measured one, and by more than twice the standard error of the window's mean step
-    time when the caller reports the timing noise (``step_cv``); otherwise the shares
-    stay, so timing noise on equal workers moves nothing. With ``verify``, an applied
-    re-plan is a trial: if the next measurement finds the step slower than before it,
-    the old shares come back and that plan is not tried again. This catches what the
-    rule cannot see, such as ranks that share cores or a bus, where one rank's
-    measured speed depends on the others' shares.
-    After ``patience`` calm updates in a row the allocation is *stable* and, as the
-    paper does, re-planning stops (unless ``freeze_when_stable`` is False).
+    Each ``update`` applies the paper's rule (``rebalance``) to speeds smoothed by
+    an exponential moving average (``smoothing`` is the weight of the past; 0
+    trusts the newest measurement alone). A re-plan is applied only if it pays: if
+    the predicted step time under the new shares is at least ``tolerance`` (a
+    fraction) below the measured one, and by more than twice the standard error of
+    the window's mean step time when the caller reports the timing noise
+    (``step_cv``); otherwise the shares stay, so timing noise on equal workers
+    moves nothing. With ``verify``, an applied re-plan is a trial: if the next
+    measurement finds the step slower than before it, the old shares come back and
+    that plan is not tried again. This catches what the rule cannot see, such as
+    ranks that share cores or a bus, where one rank's measured speed depends on
+    the others' shares.
+
+    After ``patience`` calm updates in a row the allocation is *stable*. As the
+    paper does, re-planning then stops (``drift=None``), unless
+    ``freeze_when_stable`` is False. Beyond the paper, with ``drift`` set, a
+    stable allocator keeps comparing each update's measured speeds with those it
+    settled on, and plans again once some rank runs ``drift`` (a fraction) slower
+    or faster for ``sustain`` updates in a row: a co-tenant job or a throttled
+    device, which a frozen allocation would leave as the straggler for good.
 
     The allocator is pure state: the caller gathers the times from every rank, and
     every rank holding the same times computes the same shares.
@@ -72,6 +79,8 @@ class AdaptiveAllocator:
         patience: int = 1,
         freeze_when_stable: bool = True,
         verify: bool = True,
+        drift: float | None = None,
+        sustain: int = 2,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -81,6 +90,10 @@ class AdaptiveAllocator:
             raise ConfigError(f"tolerance must be >= 0, got {tolerance!r}")
         if patience < 1:
             raise ConfigError(f"patience must be >= 1, got {patience}")
+        if drift is not None and not drift > 0:
+            raise ConfigError(f"drift must be a fraction > 0 (or None: freeze once stable), got {drift!r}")
+        if sustain < 1:
+            raise ConfigError(f"sustain must be >= 1 update, got {sustain}")
         if initial is not None and len(initial) != world_size:
             raise ConfigError(f"initial gives {len(initial)} weights for {world_size} ranks")
         self.total = total
@@ -90,6 +103,8 @@ class AdaptiveAllocator:
         self.patience = patience
         self.freeze_when_stable = freeze_when_stable
         self.verify = verify
+        self.drift = drift
+        self.sustain = sustain
         self.shares = apportion(initial or [1.0] * world_size, total, minimum)
         self.speeds: list[float] | None = None
         self.trial: tuple[list[int], float] | None = None
@@ -103,10 +118,16 @@ class AdaptiveAllocator:
         self._noise_reports = 0
         self.calm_updates = 0
         self.updates = 0
+        self.settled_speeds: list[float] | None = None
+        """The measured speeds the stable shares were kept for: what ``drift`` is measured against."""
+        self.drifted_updates = 0
+        """Stable updates in a row whose speeds moved by ``drift`` or more."""
+        self.restarts = 0
+        """Times a sustained drift made a stable allocator plan again."""
 
     @property
     def stable(self) -> bool:
-        """Whether the shares stopped moving (then ``update`` keeps them if frozen)."""
+        """Whether the shares stopped moving (then ``update`` keeps them, or only watches for drift)."""
         return self.calm_updates >= self.patience
 
     def update(self, compute_seconds: Sequence[float], steps: int = 1, *, step_cv: float | None = None) -> list[int]:
@@ -116,17 +137,20 @@ class AdaptiveAllocator:
         this window (pooled over ranks), if the caller measured it; a re-plan must then
         promise a gain beyond what that noise explains.
         """
-        if self.stable and self.freeze_when_stable:
-            return list(self.shares)
         if steps < 1:
             raise ConfigError(f"steps must be >= 1, got {steps}")
+        window_shares = [share * steps for share in self.shares]
+        measured = measured_speeds(window_shares, compute_seconds)
+        if self.stable and self.freeze_when_stable:
+            if self.drift is None or not self._drifted(measured):
+                return list(self.shares)
+            self._restart()
         if step_cv is not None:
             if not (math.isfinite(step_cv) and step_cv >= 0):
                 raise ConfigError(f"step_cv must be a finite fraction >= 0, got {step_cv!r}")
             self._noise_reports += 1
             self.noise_cv = math.sqrt(self.noise_cv**2 + (step_cv**2 - self.noise_cv**2) / self._noise_reports)
-        speeds = measured_speeds([share * steps for share in self.shares], compute_seconds)
-        step_s = max(share / speed for share, speed in zip(self.shares, speeds))
+        step_s = max(share / speed for share, speed in zip(self.shares, measured))
         self.updates += 1
         if self.trial is not None:
             replaced_shares, replaced_step_s = self.trial
@@ -134,25 +158,49 @@ class AdaptiveAllocator:
             if step_s > replaced_step_s:
                 self.rejected.append(self.shares)
                 self._set_shares(replaced_shares)
-                self.calm_updates += 1
+                self._calm(measured)
                 return list(self.shares)
             self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
+        speeds = measured
         if self.speeds is not None and self.smoothing:
-            speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, speeds)]
+            speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, measured)]
+            new_shares = rebalance(window_shares, [w / v for w, v in zip(window_shares, speeds)], self.total,
+                                   self.minimum)
+        else:
+            new_shares = rebalance(window_shares, compute_seconds, self.total, self.minimum)
         self.speeds = speeds
-        new_shares = apportion_min_max(speeds, self.total, self.minimum)
         smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
         predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
         required_gain = max(self.tolerance, 2.0 * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
         if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:
-            self.calm_updates += 1
+            self._calm(measured)
         else:
             self.calm_updates = 0
             if self.verify:
                 self.trial = (self.shares, step_s)
             self._set_shares(new_shares)
         return list(self.shares)
+
+    def _calm(self, measured: list[float]) -> None:
+        self.calm_updates += 1
+        if self.stable:
+            self.settled_speeds = measured
+
+    def _drifted(self, measured: list[float]) -> bool:
+        """Whether some rank's speed has moved by ``drift`` from the settled speeds for ``sustain`` updates."""
+        settled = self.settled_speeds or measured
+        change = max(abs(new / old - 1.0) for new, old in zip(measured, settled))
+        self.drifted_updates = self.drifted_updates + 1 if change >= self.drift else 0
+        return self.drifted_updates >= self.sustain
+
+    def _restart(self) -> None:
+        """Forget what held for the old speeds: smoothing memory, verdicts, noise, calm."""
+        self.calm_updates = self.drifted_updates = 0
+        self.speeds = self.trial = self.settled_speeds = None
+        self.rejected = []
+        self.noise_cv, self._noise_reports = 0.0, 0
+        self.restarts += 1
 
     def _set_shares(self, shares: list[int]) -> None:
         self.shares = shares
@@ -168,6 +216,9 @@ class AdaptiveAllocator:
             "rejected": self.rejected,
             "noise_cv": self.noise_cv,
             "noise_reports": self._noise_reports,
+            "settled_speeds": self.settled_speeds,
+            "drifted_updates": self.drifted_updates,
+            "restarts": self.restarts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,3 +236,6 @@ class AdaptiveAllocator:
         self.rejected = [list(shares) for shares in state.get("rejected", [])]
         self.noise_cv = float(state.get("noise_cv", 0.0))
         self._noise_reports = int(state.get("noise_reports", 0))
+        self.settled_speeds = state.get("settled_speeds")
+        self.drifted_updates = int(state.get("drifted_updates", 0))
+        self.restarts = int(state.get("restarts", 0))

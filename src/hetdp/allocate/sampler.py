@@ -12,17 +12,34 @@ from hetdp.allocate.apportion import apportion
 from hetdp.errors import ConfigError
 
 
+def split_step(shares: Sequence[int], count: int) -> list[int]:
+    """Each rank's part of a step of ``count`` samples: ``shares`` for a full step, else in proportion to them.
+
+    A short step (an epoch's last) gives every rank with a share at least one
+    sample whenever it has enough samples for that, so no rank sits out a step
+    it could take part in; with fewer samples than such ranks, some get none.
+    """
+    if count == sum(shares):
+        return list(shares)
+    active = [rank for rank, share in enumerate(shares) if share > 0]
+    parts = apportion([shares[rank] for rank in active], count, minimum=1 if count >= len(active) else 0)
+    block = [0] * len(shares)
+    for rank, part in zip(active, parts):
+        block[rank] = part
+    return block
+
+
 def step_blocks(shares: Sequence[int], total: int) -> list[list[int]]:
     """Per step, how many of ``total`` samples each rank takes: full steps of ``sum(shares)``, then a remainder.
 
     The remainder step (if ``total`` is not a multiple of ``sum(shares)``) is split
-    in proportion to the shares, so every sample is used exactly once.
+    by ``split_step``, so every sample is used exactly once.
     """
     step_size = sum(shares)
     full_steps, remainder = divmod(total, step_size)
     blocks = [list(shares) for _ in range(full_steps)]
     if remainder:
-        blocks.append(apportion(shares, remainder, minimum=0))
+        blocks.append(split_step(shares, remainder))
     return blocks
 
 
@@ -35,6 +52,12 @@ class WeightedDistributedSampler(Sampler[int]):
     so a loader with ``batch_size=shares[rank]`` yields exactly one step per batch.
     The shards of all ranks are disjoint and, with ``drop_last=False``, cover the
     epoch (the last, partial step is split in proportion to the shares).
+
+    Every rank gets the same number of batches, as DDP needs: a rank whose block
+    in a step is empty (a share of 0, or an epoch's last step with fewer samples
+    than ranks) yields one padding sample instead, the step's first, which is then
+    trained twice in that step, as ``DistributedSampler`` pads. ``hetdp.DDP``'s
+    loader does better: such a rank joins the step with a weight of 0.
 
     Shares may change between epochs (``set_shares``) or mid-epoch: ``set_epoch(e,
     start=n)`` resumes the epoch after its first ``n`` permuted samples, so samples
@@ -100,11 +123,11 @@ class WeightedDistributedSampler(Sampler[int]):
         cursor = self.start
         for block in self.blocks():
             offset = cursor + sum(block[: self.rank])
-            yield from order[offset : offset + block[self.rank]]
+            yield from order[offset : offset + block[self.rank]] if block[self.rank] else [order[cursor]]
             cursor += sum(block)
 
     def __len__(self) -> int:
-        return sum(block[self.rank] for block in self.blocks())
+        return sum(max(block[self.rank], 1) for block in self.blocks())
 
     @property
     def num_steps(self) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetdp.cluster.emulate import Emulation, parse_speeds, parse_stragglers
+from hetdp.allocate.policy import ENV_ALLOCATION, allocation_policy
+from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, parse_stragglers
 from hetdp.errors import ConfigError
 from hetdp.launch import run_local
+from hetdp.sync.policy import ENV_SYNC, sync_policy
 
 
 def positive_int(text: str) -> int:
@@ -31,6 +33,8 @@ def add_emulation_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic cost of one sample at speed 1 (default 0: stretch measured compute time instead)",
     )
     parser.add_argument("--stragglers", metavar="K:MS", help="delay K random ranks by MS milliseconds at each step")
+    parser.add_argument("--speed-change", action="append", default=[], metavar="STEP:V1,V2,...",
+                        help="from global step STEP on, the ranks run at speeds V1,V2,... (repeatable)")
 
 
 def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
@@ -39,12 +43,16 @@ def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
     count, delay_ms = parse_stragglers(args.stragglers) if args.stragglers else (0, 0.0)
     if count > nproc:
         raise ConfigError(f"--stragglers asks for {count} delayed ranks among {nproc} processes")
+    changes = tuple(sorted(parse_speed_change(text, nproc) for text in getattr(args, "speed_change", [])))
+    if changes and speeds is None:
+        speeds = (1.0,) * nproc
     return Emulation(
         speeds=speeds,
         sample_cost_ms=args.sample_cost_ms,
         straggler_count=count,
         straggler_delay_ms=delay_ms,
         seed=getattr(args, "seed", 0),
+        speed_changes=changes,
     )
 
 
@@ -58,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
     add_emulation_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the straggler draws (default 0)")
+    parser.add_argument("--allocation", metavar="POLICY",
+                        help="allocation of a hetdp.DDP whose code chooses none: equal, adaptive or static:W1,W2,...")
+    parser.add_argument("--sync", metavar="SYNC", help="synchronization of a hetdp.DDP whose code chooses none: "
+                        "allreduce, solo, majority, quorum:K, full, local or local:K")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=run)
@@ -68,4 +80,11 @@ def run(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script not found: {script}")
-    return run_local(script, args.nproc, args.script_args, env=emulation.to_env()).returncode
+    env = emulation.to_env()
+    if args.allocation:
+        allocation_policy(args.allocation)  # a bad value fails here, once, not on every rank
+        env[ENV_ALLOCATION] = args.allocation
+    if args.sync:
+        sync_policy(args.sync)
+        env[ENV_SYNC] = args.sync
+    return run_local(script, args.nproc, args.script_args, env=env).returncode

@@ -20,6 +20,7 @@ ENV_SPEEDS = "HETDP_SPEEDS"
 ENV_SAMPLE_COST_MS = "HETDP_SAMPLE_COST_MS"
 ENV_STRAGGLERS = "HETDP_STRAGGLERS"
 ENV_SEED = "HETDP_EMULATION_SEED"
+ENV_SPEED_CHANGES = "HETDP_SPEED_CHANGES"
 
 LEAD_FRACTION = 0.1
 """Share of a synthetic compute block slept before its real compute instead of after. Ranks sharing a few cores
@@ -51,6 +52,22 @@ def parse_speeds(text: str, nproc: int | None = None) -> tuple[float, ...]:
     if nproc is not None and len(speeds) != nproc:
         raise ConfigError(f"--speeds gives {len(speeds)} values for {nproc} processes; give one per process")
     return tuple(speeds)
+
+
+def parse_speed_change(text: str, nproc: int | None = None) -> tuple[int, tuple[float, ...]]:
+    """Parse ``"STEP:V1,V2,..."``: from global step STEP on, the ranks run at speeds V1, V2, ...
+
+    Raises:
+        ConfigError: STEP is not an integer >= 0, or the speeds are bad (see ``parse_speeds``).
+    """
+    step_text, separator, speeds_text = text.partition(":")
+    try:
+        step = int(step_text)
+    except ValueError:
+        step = -1
+    if not separator or step < 0:
+        raise ConfigError(f"a speed change must look like STEP:V1,V2,... (e.g. 120:1,1,2,1), got {text!r}")
+    return step, parse_speeds(speeds_text, nproc)
 
 
 def parse_stragglers(text: str) -> tuple[int, float]:
@@ -87,10 +104,23 @@ class Emulation:
     """Milliseconds each drawn straggler sleeps before its step."""
     seed: int = 0
     """Seed of the straggler draws."""
+    speed_changes: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    """(global step, speeds from that step on), by increasing step: devices that slow down or recover mid-run
+    (a co-tenant job, thermal throttling). Before the first change, ``speeds`` hold."""
 
     def __post_init__(self) -> None:
         if self.speeds is not None and not all(v > 0 and np.isfinite(v) for v in self.speeds):
             raise ConfigError(f"speeds must be positive numbers, got {list(self.speeds)}")
+        steps = [step for step, _ in self.speed_changes]
+        if steps != sorted(set(steps)):
+            raise ConfigError(f"speed changes must be at distinct, increasing steps, got steps {steps}")
+        for step, speeds in self.speed_changes:
+            if not all(v > 0 and np.isfinite(v) for v in speeds):
+                raise ConfigError(f"speeds must be positive numbers, got {list(speeds)} (change at step {step})")
+            if self.speeds is not None and len(speeds) != len(self.speeds):
+                raise ConfigError(
+                    f"the speed change at step {step} gives {len(speeds)} speeds for {len(self.speeds)} ranks"
+                )
         if not self.sample_cost_ms >= 0:
             raise ConfigError(f"sample_cost_ms must be >= 0, got {self.sample_cost_ms!r}")
         if self.straggler_count < 0 or not self.straggler_delay_ms >= 0:
@@ -103,12 +133,14 @@ class Emulation:
         """Read the settings ``to_env`` wrote (what torchrun passes to every worker)."""
         speeds = parse_speeds(env[ENV_SPEEDS]) if env.get(ENV_SPEEDS) else None
         count, delay_ms = parse_stragglers(env[ENV_STRAGGLERS]) if env.get(ENV_STRAGGLERS) else (0, 0.0)
+        changes = env.get(ENV_SPEED_CHANGES, "")
         return cls(
             speeds=speeds,
             sample_cost_ms=float(env.get(ENV_SAMPLE_COST_MS, 0.0)),
             straggler_count=count,
             straggler_delay_ms=delay_ms,
             seed=int(env.get(ENV_SEED, 0)),
+            speed_changes=tuple(parse_speed_change(change) for change in changes.split(";") if change),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -118,29 +150,45 @@ class Emulation:
             env[ENV_SPEEDS] = ",".join(repr(v) for v in self.speeds)
         if self.straggler_count:
             env[ENV_STRAGGLERS] = f"{self.straggler_count}:{self.straggler_delay_ms!r}"
+        if self.speed_changes:
+            env[ENV_SPEED_CHANGES] = ";".join(
+                f"{step}:{','.join(repr(v) for v in speeds)}" for step, speeds in self.speed_changes
+            )
         return env
 
     @property
     def active(self) -> bool:
-        return self.speeds is not None or self.sample_cost_ms > 0 or self.straggler_count > 0
+        return (self.speeds is not None or self.sample_cost_ms > 0 or self.straggler_count > 0
+                or bool(self.speed_changes))
 
-    def speed(self, rank: int) -> float:
-        return 1.0 if self.speeds is None else self.speeds[rank]
+    def speeds_at(self, step: int = 0) -> tuple[float, ...] | None:
+        """Every rank's speed at global step ``step``: the last change at or before it, else ``speeds``."""
+        current = self.speeds
+        for change_step, speeds in self.speed_changes:
+            if change_step > step:
+                break
+            current = speeds
+        return current
 
-    def lead_s(self, rank: int, samples: int) -> float:
+    def speed(self, rank: int, step: int = 0) -> float:
+        speeds = self.speeds_at(step)
+        return 1.0 if speeds is None else speeds[rank]
+
+    def lead_s(self, rank: int, samples: int, step: int = 0) -> float:
         """Seconds to sleep before the real compute of a block of ``samples`` (synthetic mode only)."""
-        return LEAD_FRACTION * self._synthetic_s(rank, samples)
+        return LEAD_FRACTION * self._synthetic_s(rank, samples, step)
 
-    def padding_s(self, rank: int, measured_s: float, samples: int) -> float:
+    def padding_s(self, rank: int, measured_s: float, samples: int, step: int = 0) -> float:
         """Seconds to sleep after a compute block of ``samples`` that took ``measured_s``, its lead included."""
         if self.sample_cost_ms > 0:
-            return max(0.0, self._synthetic_s(rank, samples) - measured_s)
-        if self.speeds is None:
+            return max(0.0, self._synthetic_s(rank, samples, step) - measured_s)
+        speeds = self.speeds_at(step)
+        if speeds is None:
             return 0.0
-        return measured_s * (max(self.speeds) / self.speed(rank) - 1.0)
+        return measured_s * (max(speeds) / speeds[rank] - 1.0)
 
-    def _synthetic_s(self, rank: int, samples: int) -> float:
-        return samples * self.sample_cost_ms / 1000.0 / self.speed(rank)
+    def _synthetic_s(self, rank: int, samples: int, step: int) -> float:
+        return samples * self.sample_cost_ms / 1000.0 / self.speed(rank, step)
 
     def stragglers(self, step: int, world_size: int) -> frozenset[int]:
         """Ranks delayed at ``step``: a pure function of (seed, step), so every rank agrees."""
@@ -154,13 +202,46 @@ class Emulation:
         return self.straggler_delay_ms / 1000.0 if rank in self.stragglers(step, world_size) else 0.0
 
     @contextmanager
-    def compute(self, rank: int, samples: int) -> Iterator[None]:
+    def compute(self, rank: int, samples: int, step: int = 0) -> Iterator[None]:
         """Run a compute block between two sleeps (``lead_s``, ``padding_s``) so that it lasts as long as on the
         emulated device."""
         start = time.perf_counter()
-        sleep(self.lead_s(rank, samples))
+        sleep(self.lead_s(rank, samples, step))
         yield
-        sleep(self.padding_s(rank, time.perf_counter() - start, samples))
+        sleep(self.padding_s(rank, time.perf_counter() - start, samples, step))
+
+    def pacer(self, rank: int, world_size: int) -> Pacer:
+        """The one seam between a training step and this emulation, for ``rank``."""
+        return Pacer(self, rank, world_size)
+
+
+class Pacer:
+    """Make one rank's training steps last as long as on its emulated device.
+
+    A step calls ``start`` when its compute begins (the injected straggler delay,
+    then the lead) and ``finish`` when its real compute is done, just before its
+    gradients are exchanged (the padding). Without emulation both return at once,
+    so training code calls them unconditionally.
+    """
+
+    def __init__(self, emulation: Emulation, rank: int, world_size: int) -> None:
+        self.emulation = emulation
+        self.rank = rank
+        self.world_size = world_size
+        self.active = emulation.active
+
+    def start(self, step: int, samples: int) -> None:
+        """Sleep through the straggler delay drawn for ``step``, then the lead of its ``samples``."""
+        if self.active:
+            sleep(self.emulation.straggler_delay_s(step, self.rank, self.world_size))
+            sleep(self.emulation.lead_s(self.rank, samples, step))
+
+    def finish(self, step: int, samples: int, compute_s: float) -> None:
+        """Sleep so that a compute block of ``samples`` that took ``compute_s`` (delay and lead included) lasts
+        as long as on the emulated device; the straggler delay comes on top."""
+        if self.active:
+            delay_s = self.emulation.straggler_delay_s(step, self.rank, self.world_size)
+            sleep(self.emulation.padding_s(self.rank, compute_s - delay_s, samples, step))
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -27,17 +27,9 @@ from hetdp.cluster.emulate import Link
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.runtime import Timeouts, barrier, global_rank, local_device
+from hetdp.sync.averaging import broadcast_parameters, merge_weights
 from hetdp.train.distribute import Transport, distribute
-from hetdp.train.local import (
-    EpochStats,
-    GradientAllreduce,
-    LossFn,
-    Merge,
-    ParameterAveraging,
-    broadcast_parameters,
-    merge_weights,
-    train_local,
-)
+from hetdp.train.local import EpochStats, GradientAllreduce, LossFn, Merge, ParameterAveraging, train_local
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +168,7 @@ def train_cadp(
     plan = _owner_plan(dataset, cluster, config, plan, group)
     counts = [0] * offset + plan.samples
     devices: list[DeviceSpec | None] = [None] * offset + list(cluster.devices)
-    device, share = devices[rank], ([None] * offset + list(plan.devices))[rank]
+    device = devices[rank]
     sample_bytes = cluster.sample_bytes if config.transport == "samples" else INDEX_BYTES
     transfer_s = [_link_s(d, n * sample_bytes) if n else 0.0 for d, n in zip(devices, counts)]
 
@@ -200,20 +192,24 @@ def train_cadp(
     delivered = time.perf_counter()
 
     broadcast_parameters(model, group=group, timeout_s=merge_timeout_s)
-    merge = _merge(config, cluster, plan, devices, counts, rank, group, merge_timeout_s)
-    history = train_local(
-        model,
-        optimizer,
-        local.data,
-        merge,
-        batch_size=share.batch_size if share else 1,
-        epochs=config.epochs,
-        batch_time_s=device.feasible_batch_time_s if device else 0.0,
-        emulate=config.emulate,
-        seed=config.seed,
-        loss_fn=loss_fn,
-        on_epoch=on_epoch,
-    )
+    batch_sizes = [1] * offset + [d.batch_size for d in plan.devices]
+    merge = _merge(model, config, cluster, devices, counts, batch_sizes, rank, group, merge_timeout_s)
+    try:
+        history = train_local(
+            model,
+            optimizer,
+            local.data,
+            merge,
+            batch_size=batch_sizes[rank],
+            epochs=config.epochs,
+            batch_time_s=device.feasible_batch_time_s if device else 0.0,
+            emulate=config.emulate,
+            seed=config.seed,
+            loss_fn=loss_fn,
+            on_epoch=on_epoch,
+        )
+    finally:
+        merge.close()
     finished = time.perf_counter()
     return CadpResult(
         plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history, samples=counts[rank]
@@ -221,11 +217,12 @@ def train_cadp(
 
 
 def _merge(
+    model: nn.Module,
     config: CadpConfig,
     cluster: ClusterSpec,
-    plan: Plan,
     devices: list[DeviceSpec | None],
     counts: list[int],
+    batch_sizes: list[int],
     rank: int,
     group: dist.ProcessGroup | None,
     timeout_s: float,
@@ -235,10 +232,12 @@ def _merge(
     if config.sync == "epoch":
         link_s = _link_s(devices[rank], model_bytes) if config.emulate else 0.0
         return ParameterAveraging(merge_weights(counts)[rank], link_s=link_s, group=group, timeout_s=timeout_s)
+    if 0 in counts:
+        raise ConfigError(f"sync='step' needs every rank to train (a synchronous step runs on every rank); the "
+                          f"plan gives {counts} samples: give the data owner a device, or plan min_samples >= 1")
     # A synchronous allreduce moves at the pace of its slowest link, on every rank.
     slowest_s = max(_link_s(d, model_bytes) for d in devices) if config.emulate else 0.0
-    steps = max(max(d.batches for d in plan.devices), 1)
-    return GradientAllreduce(steps, link_s=slowest_s, group=group, timeout_s=timeout_s)
+    return GradientAllreduce(model, counts, batch_sizes, link_s=slowest_s, group=group, timeout_s=timeout_s)
 
 
 def _link_s(device: DeviceSpec | None, nbytes: float) -> float:

@@ -4,12 +4,15 @@ Eager-SGD paper, Algorithm 2 and section 5: each step sums the local gradients
 with a solo / majority / quorum / full partial allreduce and updates with
 G = sum / P; a gradient that missed a round is carried to the next one. Beyond
 the paper, every rank applies every round it receives, in order, so replicas
-stay identical without the paper's periodic model synchronization.
+stay identical without the paper's periodic model synchronization. The partial
+allreduce of gradients is ``hetdp.sync.partial.PartialGradients``, the same the
+drop-in (``hetdp.DDP(..., sync="majority")``) uses.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal
@@ -19,9 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
+from hetdp.cluster.emulate import Emulation
+from hetdp.collectives.partial import PartialConfig, PartialResult
 from hetdp.collectives.protocol import Mode
 from hetdp.errors import ConfigError
+from hetdp.sync.averaging import broadcast_parameters
+from hetdp.sync.partial import GradientRound, PartialGradients
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +44,9 @@ class EagerSGD:
 
     - ``G = sum / P`` (the paper's Algorithm 2), or with ``divide_by="contributors"``
       ``G = sum / n``, n being the gradients summed in the round (its
-      contributors' fresh ones plus stale ones carried into it);
+      contributors' fresh ones plus stale ones carried into it). With
+      ``step(samples=n)`` each gradient is weighted by the samples behind it, and
+      ``n`` counts samples;
     - a gradient that missed its round waits in the send buffer and is summed
       into the next one (paper, section 5), so every gradient is applied exactly
       once, by every rank;
@@ -51,7 +59,10 @@ class EagerSGD:
       the group with a blocking allreduce, at the same round on every rank.
 
     Rounds that hold no gradient at all (an empty last round at ``close()``) are
-    not applied. Parameters without a gradient count as zero gradients.
+    not applied. Parameters without a gradient count as zero gradients. At
+    construction, every rank takes rank 0's parameters and buffers, as DDP does.
+    Under ``hetdp run --stragglers / --speeds`` the emulation applies by itself:
+    ``zero_grad`` sleeps a drawn straggler's delay, ``step`` pads the compute.
 
     .. warning::
         Every rank of the group must construct it in the same order and call
@@ -82,6 +93,7 @@ class EagerSGD:
         divide_by: DivideBy = "world",
         catch_up: bool = True,
         group: dist.ProcessGroup | None = None,
+        emulation: Emulation | None = None,
     ) -> None:
         """Start the partial allreduce of ``model``'s gradients; collective over ``group``.
 
@@ -94,6 +106,7 @@ class EagerSGD:
             divide_by: ``"world"`` (G = sum / P, the paper) or ``"contributors"`` (G = sum / gradients summed).
             catch_up: apply every round missed while lagging (identical replicas) rather than only the latest.
             group: the ranks training together (None: the default group).
+            emulation: how this machine pretends ranks are unequal (None: ``hetdp run``'s settings, if any).
 
         Raises:
             ConfigError: a bad setting, no trainable parameter, or parameters of mixed dtype or device.
@@ -117,8 +130,14 @@ class EagerSGD:
         self.catch_up = catch_up
         self.group = group
         config = mode if isinstance(mode, PartialConfig) else PartialConfig(mode=mode)
-        self.partial = PartialAllreduce.from_config(parameters_to_vector(self._params).detach(), config, group)
+        broadcast_parameters(model, group=group, timeout_s=config.timeouts.round_s)
+        self.sync = PartialGradients(parameters_to_vector(self._params).detach(), config, group)
+        self.partial = self.sync.partial
+        """The partial allreduce underneath."""
         self.world_size = self.partial.world_size
+        rank = dist.get_rank(group)
+        self._pacer = (emulation or Emulation.from_env()).pacer(rank, self.world_size)
+        self._started_at: float | None = None
         self.steps = 0
         """Calls to ``step()`` so far."""
         self.rounds = 0
@@ -139,20 +158,29 @@ class EagerSGD:
         every round already done: a rank back from a stall would otherwise compute
         on parameters several rounds old (staler than the paper's eager-SGD needs).
         """
-        self._receive(self.partial.poll())
+        self._receive(self.sync.poll())
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._started_at = time.perf_counter()
+        self._pacer.start(self.steps, 0)
 
-    def step(self) -> PartialResult:
+    def step(self, samples: int | None = None) -> PartialResult:
         """Contribute this rank's gradients and apply the rounds that come back; returns the latest round.
+
+        Args:
+            samples: the samples behind this gradient (its batch size): rounds then weigh gradients by their
+                samples, and sample-cost emulation paces the step. None: one unit, as in the paper.
 
         Raises:
             PeerTimeoutError: a peer died or did not arrive in time (see ``PartialAllreduce.allreduce``).
         """
+        if self._started_at is not None:
+            self._pacer.finish(self.steps, samples or 0, time.perf_counter() - self._started_at)
+            self._started_at = None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        result = self.partial.allreduce(parameters_to_vector(grads))
+        rounds = self.sync.contribute(parameters_to_vector(grads), 1.0 if samples is None else float(samples))
         self.steps += 1
-        self._receive(result.rounds)
-        return result
+        self._receive(rounds)
+        return rounds[-1].result
 
     def flush(self) -> None:
         """Apply the rounds run after this rank's last step, then the round that empties every send buffer.
@@ -162,11 +190,11 @@ class EagerSGD:
         rank has applied the same rounds and holds no carried gradient: call it
         before evaluating, checkpointing or any other collective.
         """
-        self.partial.flush(on_round=lambda result: self._receive((result,)))
+        self.sync.flush(on_round=lambda gradient_round: self._receive((gradient_round,)))
 
     def close(self) -> None:
         """Flush (see ``flush``) and stop the partial allreduce; every rank must call it."""
-        self.partial.close(on_round=lambda result: self._receive((result,)))
+        self.sync.close(on_round=lambda gradient_round: self._receive((gradient_round,)))
 
     def synchronize(self) -> None:
         """Average the parameters over the group (blocking; every rank must call it at the same point)."""
@@ -204,20 +232,23 @@ class EagerSGD:
         return (f"EagerSGD({type(self.optimizer).__name__}, mode={self.partial.mode!r}, sync_every={self.sync_every}, "
                 f"divide_by={self.divide_by!r}, catch_up={self.catch_up}, steps={self.steps}, rounds={self.rounds})")
 
-    def _receive(self, rounds: Sequence[PartialResult]) -> None:
-        for index, result in enumerate(rounds):
+    def _receive(self, rounds: Sequence[GradientRound]) -> None:
+        for index, gradient_round in enumerate(rounds):
             if self.catch_up or index == len(rounds) - 1:
-                self._apply(result)
-            self.rounds = result.round + 1
-            self.gradients += result.parts
+                self._apply(gradient_round)
+            self.rounds = gradient_round.result.round + 1
+            self.gradients += gradient_round.result.parts
             if self.sync_every and self.rounds % self.sync_every == 0:
                 self.synchronize()
 
-    def _apply(self, result: PartialResult) -> None:
-        if result.parts == 0:
+    def _apply(self, gradient_round: GradientRound) -> None:
+        parts, samples = gradient_round.result.parts, gradient_round.samples
+        if parts == 0 or samples == 0:
             return
-        divisor = self.world_size if self.divide_by == "world" else result.parts
-        update = result.tensor / divisor
+        if self.divide_by == "world":  # the paper's sum / P, each gradient counted as one of mean size
+            update = gradient_round.weighted_sum * (parts / (samples * self.world_size))
+        else:
+            update = gradient_round.mean()
         offset = 0
         for p in self._params:
             p.grad = update[offset : offset + p.numel()].view_as(p)

@@ -3,9 +3,11 @@
 C-ADP and local SGD train each rank alone for an epoch and merge by weighted
 parameter averaging, w = sum_i (D_i / D) w_i (C-ADP paper, section 3). The same
 loop with a gradient allreduce at every step is synchronous data parallelism
-(DDP), the baseline they are measured against. Emulation paces each batch to a
-device's batch time and each model transfer to its link, so one machine behaves
-like the described cluster.
+(DDP), the baseline they are measured against. Both merges are the library's
+one implementation of their synchronization: ``hetdp.sync.averaging`` and the
+drop-in ``hetdp.DDP``. Emulation paces each batch to a device's batch time and
+each model transfer to its link, so one machine behaves like the described
+cluster.
 """
 
 from __future__ import annotations
@@ -22,27 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
-from hetdp.runtime import global_rank, wait_for
+from hetdp.runtime import wait_for
+from hetdp.sync.averaging import average_parameters
+from hetdp.train.ddp import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def merge_weights(samples: Sequence[int]) -> list[float]:
-    """D_i / D for every device: its weight in the C-ADP merge w = sum_i (D_i / D) w_i.
-
-    Raises:
-        ConfigError: a count is negative, or all are zero.
-    """
-    counts = [int(n) for n in samples]
-    if any(n < 0 for n in counts):
-        raise ConfigError(f"sample counts must be >= 0, got {counts}")
-    total = sum(counts)
-    if total == 0:
-        raise ConfigError(f"sample counts must not all be zero, got {counts}")
-    return [n / total for n in counts]
 
 
 def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -93,26 +83,6 @@ class Pace:
             time.sleep(remaining)
 
 
-def _float_state(model: nn.Module) -> list[torch.Tensor]:
-    """The tensors a merge averages: parameters and floating-point buffers (counters are left alone)."""
-    tensors = list(model.parameters())
-    tensors += [b for b in model.buffers() if b.is_floating_point()]
-    return tensors
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One float64 vector of all ``tensors``, for a single collective."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-
-
-def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy consecutive pieces of ``flat`` back into ``tensors`` (the inverse of ``_flatten``)."""
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
-
-
 class Merge(ABC):
     """How ranks combine their local training: the loop calls these hooks on every rank in the same order.
 
@@ -132,11 +102,21 @@ class Merge(ABC):
         """Optimizer steps this rank runs per epoch; it may exceed its batches when steps are collective."""
         return local_batches
 
+    def module(self, model: nn.Module) -> nn.Module:
+        """What the loop runs forward through: the model itself, or a wrapper that synchronizes its gradients."""
+        return model
+
     def start_epoch(self, pace: Pace) -> None:
         """Before the epoch's first batch."""
 
-    def after_backward(self, model: nn.Module, samples: int, pace: Pace) -> None:
-        """After each backward of ``samples`` samples (0 for a step this rank has no batch for), before the step."""
+    def begin_step(self, step: int, samples: int) -> None:
+        """Before the forward of epoch step ``step``, in which this rank trains on ``samples`` samples (0: none)."""
+
+    def end_step(self, pace: Pace) -> None:
+        """After the step's optimizer update."""
+
+    def close(self) -> None:
+        """Release what the merge holds; every rank calls it."""
 
     def end_epoch(self, model: nn.Module, pace: Pace, totals: torch.Tensor) -> torch.Tensor:
         """After the epoch's last optimizer step: return ``totals`` (float64 epoch figures) summed over ranks.
@@ -188,80 +168,50 @@ class ParameterAveraging(Merge):
         return "parameter averaging per epoch"
 
 
-@torch.no_grad()
-def average_parameters(
-    model: nn.Module,
-    weight: float,
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout_s: float = 60.0,
-    carry: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
-
-    The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
-    contributes nothing and receives the merged model. ``carry`` (float64 figures)
-    rides along in the same collective, summed unweighted, and is returned.
-
-    Raises:
-        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
-    """
-    tensors = _float_state(model)
-    parts = [_flatten(tensors) * weight] + ([carry.to(torch.float64).reshape(-1)] if carry is not None else [])
-    flat = torch.cat(parts)
-    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s)
-    _unflatten_into(tensors, flat)
-    return flat[flat.numel() - carry.numel() :] if carry is not None else None
-
-
-@torch.no_grad()
-def broadcast_parameters(
-    model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
-) -> None:
-    """Give every rank the parameters and float buffers of rank ``src`` (the initial global model).
-
-    Raises:
-        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
-    """
-    tensors = _float_state(model)
-    flat = _flatten(tensors)
-    work = dist.broadcast(flat, global_rank(src, group), group=group, async_op=True)
-    wait_for(work, "initial model broadcast", timeout_s)
-    _unflatten_into(tensors, flat)
-
-
 class GradientAllreduce(Merge):
-    """Merge at every step by averaging gradients over all samples of the step (synchronous DDP).
+    """Merge at every step by the drop-in's synchronous gradient sum (DDP with unequal batches).
 
-    Every rank runs ``steps_per_epoch`` collective steps; a rank out of batches
-    joins with zero weight. The gradient is sum_r n_r g_r / sum_r n_r, the mean
-    over the step's samples (plain DDP's mean when batches are equal). Emulated,
-    each step's exchange lasts ``link_s`` there and back over the slowest link,
-    which every rank of a synchronous allreduce waits for.
+    Every rank runs ``steps_per_epoch`` collective steps: rank i trains on
+    ``batch_sizes[i]`` of its ``counts[i]`` samples per step, and a rank out of
+    batches joins with a one-sample stand-in weighted 0. The gradient is
+    sum_r n_r g_r / sum_r n_r, the mean over the step's samples (plain DDP's mean
+    when batches are equal). Emulated, each step's exchange lasts ``link_s`` there
+    and back over the slowest link, which every rank of a synchronous allreduce
+    waits for.
     """
 
-    def __init__(self, steps_per_epoch: int, **kwargs) -> None:
+    def __init__(self, model: nn.Module, counts: Sequence[int], batch_sizes: Sequence[int], **kwargs) -> None:
         super().__init__(**kwargs)
-        if steps_per_epoch < 1:
-            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-        self.steps_per_epoch = steps_per_epoch
+        if len(counts) != len(batch_sizes) or min(batch_sizes) < 1:
+            raise ConfigError(f"need a batch size >= 1 per rank, got counts {list(counts)} and {list(batch_sizes)}")
+        self.counts, self.batch_sizes = list(counts), list(batch_sizes)
+        self.steps_per_epoch = max(-(-n // b) for n, b in zip(self.counts, self.batch_sizes))
+        if self.steps_per_epoch < 1:
+            raise ConfigError(f"no rank has a sample to train on: counts {self.counts}")
+        self.ddp = DistributedDataParallel(model, "equal", "allreduce", step_timeout_s=self.timeout_s,
+                                           emulation=Emulation(), process_group=self.group)
 
     def steps(self, local_batches: int) -> int:
         return self.steps_per_epoch
 
-    @torch.no_grad()
-    def after_backward(self, model: nn.Module, samples: int, pace: Pace) -> None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        for param in params:
-            if param.grad is None:  # a rank without a batch this step contributes zeros
-                param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in params]
-        count = torch.full((1,), float(samples), dtype=torch.float64, device=grads[0].device)
-        flat = torch.cat([_flatten(grads) * samples, count])
-        wait_for(dist.all_reduce(flat, group=self.group, async_op=True), "gradient allreduce", self.timeout_s)
-        _unflatten_into(grads, flat[:-1] / max(float(flat[-1]), 1.0))
+    def module(self, model: nn.Module) -> nn.Module:
+        return self.ddp
+
+    def begin_step(self, step: int, samples: int) -> None:
+        total = sum(min(b, max(0, n - step * b)) for n, b in zip(self.counts, self.batch_sizes))
+        self.ddp.begin_step(samples, total)
+
+    def end_step(self, pace: Pace) -> None:
+        self.ddp.end_step()
         pace.reset()
         pace.wait(2 * self.link_s)
+
+    def end_epoch(self, model: nn.Module, pace: Pace, totals: torch.Tensor) -> torch.Tensor:
+        self.ddp.end_epoch()
+        return super().end_epoch(model, pace, totals)
+
+    def close(self) -> None:
+        self.ddp.close()
 
     def describe(self) -> str:
         return "gradient allreduce per step"
@@ -306,7 +256,7 @@ def train_local(
         ``epochs`` (and, for per-step merges, the same step count).
 
     Raises:
-        ConfigError: a bad batch size, epoch count or batch time.
+        ConfigError: a bad batch size, epoch count or batch time, or no sample for a collective step.
         PeerTimeoutError: a merge waited past its deadline.
     """
     if batch_size < 1 or epochs < 1 or not batch_time_s >= 0:
@@ -317,10 +267,13 @@ def train_local(
     rank = dist.get_rank(merge.group)
     batches = -(-len(inputs) // batch_size)
     steps = merge.steps(batches)
+    if steps > batches and not len(inputs):
+        raise ConfigError(f"rank {rank} holds no sample but takes part in {steps} synchronous steps per epoch")
+    forward = merge.module(model)
     pace = Pace(emulate)
     device = inputs.device
     history = []
-    model.train()
+    forward.train()
     for epoch in range(epochs):
         started = time.perf_counter()
         order = epoch_order(len(inputs), seed=seed, epoch=epoch, rank=rank).to(device)
@@ -330,13 +283,16 @@ def train_local(
         for step in range(steps):
             index = order[step * batch_size : (step + 1) * batch_size]
             optimizer.zero_grad()
+            merge.begin_step(step, len(index))
+            # A rank out of batches still joins a collective step, with a one-sample stand-in weighted 0.
+            batch = index if len(index) else order[:1]
+            loss = loss_fn(forward(inputs[batch]), targets[batch])
+            loss.backward()
             if len(index):
-                loss = loss_fn(model(inputs[index]), targets[index])
-                loss.backward()
                 loss_sum += float(loss.detach()) * len(index)
                 pace.wait(batch_time_s)
-            merge.after_backward(model, len(index), pace)
             optimizer.step()
+            merge.end_step(pace)
         totals = torch.tensor([loss_sum, float(len(inputs))], dtype=torch.float64, device=device)
         totals = merge.end_epoch(model, pace, totals)
         stats = EpochStats(

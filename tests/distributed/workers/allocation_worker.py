@@ -35,7 +35,7 @@ def make_model(seed: int, wide: int = 0) -> nn.Module:
 def train(config: AllocationConfig, size: int, epochs: range, *, emulation=None, resume: Path | None = None,
           save: Path | None = None, init_seed: int = 0, wide: int = 0):
     model = make_model(init_seed, wide)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
     trainer = AllocatedTrainer(model, optimizer, make_dataset(size), config, emulation=emulation)
     if resume is not None:
         assert trainer.load_checkpoint(resume) == epochs.start

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 import hetdp
 from hetdp.allocate.planner import evaluate
 from hetdp.train.distribute import distribute
-from hetdp.train.local import average_parameters, merge_weights
+from hetdp.sync.averaging import average_parameters, merge_weights
 
 SIZE = 47
 AVERAGING_COUNTS = (1, 2, 5)

@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from hetdp import AdaptiveAllocator, ConfigError
 from hetdp.allocate.adaptive import rebalance
+from hetdp.allocate.apportion import apportion_min_max
 
 speeds_strategy = st.lists(st.floats(min_value=0.1, max_value=8.0), min_size=2, max_size=6)
 
@@ -114,3 +115,45 @@ def test_noise_measured_at_earlier_shares_does_not_hold_back_the_next_replan():
     assert first == [27, 93]
     # measured exactly at the new shares, the 11% shorter step is worth taking; the old noise no longer applies
     assert allocator.update(synthetic_seconds(first, [1.0, 4.0]), steps=2, step_cv=0.0) == [24, 96]
+
+
+def _settle(allocator, speeds, updates=4):
+    for _ in range(updates):
+        allocator.update(synthetic_seconds(allocator.shares, speeds))
+    assert allocator.stable
+
+
+def test_a_sustained_drift_after_stabilizing_replans_to_the_new_speeds():
+    allocator = AdaptiveAllocator(4, 128, patience=2, drift=0.2, sustain=2)
+    _settle(allocator, [1.0, 1.0, 2.0, 4.0])
+    assert allocator.shares == [16, 16, 32, 64]
+    slowed = [1.0, 1.0, 2.0, 1.0]  # the fastest rank drops to the slowest's speed
+    assert allocator.update(synthetic_seconds(allocator.shares, slowed)) == [16, 16, 32, 64]  # once is not sustained
+    shares = allocator.update(synthetic_seconds(allocator.shares, slowed))
+    assert shares == apportion_min_max(slowed, 128) and allocator.restarts == 1
+
+
+def test_without_drift_watching_a_stable_allocation_stays_frozen_as_in_the_paper():
+    allocator = AdaptiveAllocator(4, 128, patience=2)
+    _settle(allocator, [1.0, 1.0, 2.0, 4.0])
+    for _ in range(3):
+        assert allocator.update(synthetic_seconds(allocator.shares, [1.0, 1.0, 2.0, 1.0])) == [16, 16, 32, 64]
+
+
+@given(noise=st.lists(st.lists(st.floats(0.9, 1.1), min_size=4, max_size=4), min_size=6, max_size=6))
+def test_timing_noise_under_the_drift_threshold_never_restarts_a_stable_allocation(noise):
+    allocator = AdaptiveAllocator(4, 128, patience=2, drift=0.25)
+    _settle(allocator, [1.0, 1.0, 2.0, 4.0])
+    for factors in noise:
+        seconds = synthetic_seconds(allocator.shares, [1.0, 1.0, 2.0, 4.0])
+        allocator.update([t * f for t, f in zip(seconds, factors)])
+    assert allocator.restarts == 0 and allocator.shares == [16, 16, 32, 64]
+
+
+def test_a_single_spike_is_not_a_drift():
+    allocator = AdaptiveAllocator(2, 100, patience=1, drift=0.2, sustain=2)
+    _settle(allocator, [1.0, 1.0])
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 0.5]))  # one slow window
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 1.0]))
+    allocator.update(synthetic_seconds(allocator.shares, [1.0, 0.5]))
+    assert allocator.restarts == 0 and allocator.shares == [50, 50]

@@ -5,16 +5,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetdp import ConfigError, WeightedDistributedSampler
+from hetdp.allocate.sampler import split_step
 
 shares_strategy = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6).filter(lambda s: sum(s) > 0)
 
 
-def shards(size, shares, seed=0, epoch=0, start=0, drop_last=False):
+def shards(size, shares, seed=0, epoch=0, start=0, drop_last=False, padded=False):
+    """Each rank's samples; without ``padded``, the padding sample of an empty block is left out."""
     result = []
     for rank in range(len(shares)):
         sampler = WeightedDistributedSampler(range(size), shares, rank, seed=seed, drop_last=drop_last)
         sampler.set_epoch(epoch, start=start)
-        result.append(list(sampler))
+        items, blocks = iter(list(sampler)), sampler.blocks()
+        batches = [[next(items) for _ in range(max(block[rank], 1))] for block in blocks]
+        result.append([i for batch, block in zip(batches, blocks) for i in batch if padded or block[rank]])
     return result
 
 
@@ -31,6 +35,27 @@ def test_each_full_step_gives_every_rank_exactly_its_share(size, shares):
     per_rank = shards(size, shares, drop_last=True)
     steps = size // sum(shares)
     assert [len(shard) for shard in per_rank] == [steps * share for share in shares]
+
+
+@given(size=st.integers(1, 500), shares=shares_strategy)
+def test_used_alone_every_rank_gets_the_same_number_of_batches(size, shares):
+    # A plain DataLoader with batch_size=shares[rank] must give every rank one batch per step, or DDP hangs.
+    for rank, share in enumerate(shares):
+        sampler = WeightedDistributedSampler(range(size), shares, rank)
+        batch_size = max(share, 1)
+        assert -(-len(sampler) // batch_size) == sampler.num_steps
+        assert all(max(block[rank], 1) <= batch_size for block in sampler.blocks())
+
+
+@given(shares=shares_strategy, data=st.data())
+def test_a_short_step_leaves_no_rank_with_a_share_empty_when_it_has_enough_samples(shares, data):
+    count = data.draw(st.integers(1, sum(shares)))
+    block = split_step(shares, count)
+    active = [rank for rank, share in enumerate(shares) if share]
+    assert sum(block) == count and all(block[r] <= shares[r] for r in range(len(shares)))
+    assert all(block[r] == 0 for r in range(len(shares)) if not shares[r])
+    if count >= len(active):
+        assert all(block[r] >= 1 for r in active)
 
 
 @given(size=st.integers(1, 400), old=shares_strategy, new=shares_strategy, data=st.data())

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from hetdp.errors import ConfigError
 from hetdp.train import local
-from hetdp.train.local import Pace, epoch_order, merge_weights, weighted_average
+from hetdp.sync.averaging import merge_weights
+from hetdp.train.local import Pace, epoch_order, weighted_average
 
 
 def test_merge_weights_are_each_devices_share_of_the_data():

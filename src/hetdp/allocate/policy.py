@@ -1,0 +1,233 @@
+"""The allocation axis: who computes how much of every step, as small frozen specs behind one runtime interface.
+
+``Equal`` (plain DDP), ``Static`` (your weights), ``Adaptive`` (re-planned from
+measured compute times, task-allocation paper) and ``Planned`` (the C-ADP
+optimizer on a cluster description) all give per-rank shares of a fixed global
+batch; only ``Adaptive`` changes them as it measures. Strings name the common
+ones: ``"equal"``, ``"adaptive"``, ``"static:W1,W2,..."``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hetdp.allocate.adaptive import AdaptiveAllocator
+from hetdp.allocate.apportion import apportion
+from hetdp.allocate.planner import plan
+from hetdp.cluster.spec import ClusterSpec
+from hetdp.errors import ConfigError
+
+ENV_ALLOCATION = "HETDP_ALLOCATION"
+"""Set by ``hetdp run --allocation``: the allocation of a drop-in whose code does not choose one."""
+
+
+def _positive_weights(weights: Sequence[float], what: str) -> None:
+    if not weights or any(not (w >= 0) for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"{what} must be numbers >= 0 with a positive sum, got {list(weights)}")
+
+
+@dataclass(frozen=True)
+class Equal:
+    """Every rank computes the same share (plain DDP): the baseline."""
+
+    def describe(self) -> str:
+        return "equal"
+
+
+@dataclass(frozen=True)
+class Static:
+    """Shares proportional to fixed ``weights``, one per rank (for instance the devices' known speeds)."""
+
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _positive_weights(self.weights, "static weights")
+
+    def describe(self) -> str:
+        return "static:" + ",".join(f"{w:g}" for w in self.weights)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Adaptive:
+    """Shares re-planned from measured compute times (task-allocation paper, eq. 10), guarded against noise.
+
+    Beyond the paper, once the shares are stable the allocation keeps watching at
+    a small cost (one gather of a few numbers every ``watch_every`` steps) and plans
+    again when some rank's speed moves by ``drift`` for ``sustain`` checks in a row.
+    """
+
+    weights: tuple[float, ...] | None = None
+    """The starting point, one weight per rank; None: equal."""
+    replan_every: int = 2
+    """Steps between re-plans until stable; 0: once per epoch, as in the paper."""
+    tolerance: float = 0.02
+    """A re-plan must shorten the predicted step by at least this fraction."""
+    patience: int = 2
+    """Calm re-plans in a row after which the shares are stable."""
+    smoothing: float = 0.0
+    """Weight of past speed estimates against the newest (0: the newest alone)."""
+    drift: float | None = 0.2
+    """Once stable, plan again when a rank runs this fraction slower or faster, sustained; None: freeze (paper)."""
+    sustain: int = 2
+    """Drift checks in a row that must see the change."""
+    watch_every: int = 4
+    """Steps between drift checks once stable."""
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            _positive_weights(self.weights, "adaptive starting weights")
+        for name in ("replan_every", "watch_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 steps, got {value!r}")
+        if self.watch_every < 1:
+            raise ConfigError(f"watch_every must be >= 1 step, got {self.watch_every}")
+
+    def describe(self) -> str:
+        return "adaptive"
+
+
+@dataclass(kw_only=True, frozen=True)
+class Planned:
+    """Shares from the C-ADP optimizer on a cluster description: rank i takes D_i / D of every step.
+
+    The plan weighs compute against each device's link (C-ADP paper, eq. 7) for
+    ``epochs`` epochs of the dataset; one device per rank.
+    """
+
+    cluster: ClusterSpec
+    epochs: int = 1
+    method: Literal["exact", "alm"] = "exact"
+
+    def describe(self) -> str:
+        return f"planned({self.method})"
+
+
+AllocationPolicy = Equal | Static | Adaptive | Planned
+
+
+def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationPolicy:
+    """The spec for ``spec``: a policy as is, ``"equal"``, ``"adaptive"``, ``"static:W1,W2,..."``, or None for
+    ``$HETDP_ALLOCATION`` (set by ``hetdp run --allocation``) and else ``"adaptive"``.
+
+    Raises:
+        ConfigError: an unknown name or bad weights.
+    """
+    if isinstance(spec, Equal | Static | Adaptive | Planned):
+        return spec
+    if spec is None:
+        spec = os.environ.get(ENV_ALLOCATION) or "adaptive"
+    if not isinstance(spec, str):
+        raise ConfigError(f"allocation must be a name or hetdp.Equal / Static / Adaptive / Planned, got {spec!r}")
+    name, _, argument = spec.partition(":")
+    if spec == "equal":
+        return Equal()
+    if spec == "adaptive":
+        return Adaptive()
+    if name == "static" and argument:
+        try:
+            return Static(tuple(float(w) for w in argument.split(",")))
+        except ValueError:
+            pass
+    raise ConfigError(f"allocation must be equal, adaptive or static:W1,W2,... ; got {spec!r}")
+
+
+class Allocator:
+    """The shares of one run, under any policy: what every rank computes of each step of ``total`` samples.
+
+    Only an adaptive policy moves them, from the per-step compute times the caller
+    gathers from every rank (``observe``); the others only say no gather is due.
+    Every rank that observes the same figures holds the same shares.
+    """
+
+    def __init__(self, policy: AllocationPolicy, world_size: int, total: int, *, dataset_size: int | None = None,
+                 minimum: int = 1) -> None:
+        if total < minimum * world_size:
+            raise ConfigError(f"a global batch of {total} cannot give {world_size} ranks {minimum} sample(s) each")
+        self.policy = policy
+        self.world_size = world_size
+        self.total = total
+        weights = self._weights(policy, world_size, dataset_size)
+        self.adaptive = None
+        if isinstance(policy, Adaptive):
+            self.adaptive = AdaptiveAllocator(
+                world_size, total, minimum, initial=weights, smoothing=policy.smoothing, tolerance=policy.tolerance,
+                patience=policy.patience, drift=policy.drift, sustain=policy.sustain,
+            )
+            self.shares = list(self.adaptive.shares)
+        else:
+            self.shares = apportion(weights or [1.0] * world_size, total, minimum if weights is None else 0)
+        self.replans = 0
+        """Times the shares changed."""
+
+    @staticmethod
+    def _weights(policy: AllocationPolicy, world_size: int, dataset_size: int | None) -> list[float] | None:
+        if isinstance(policy, Static | Adaptive):
+            weights = policy.weights
+        elif isinstance(policy, Planned):
+            if len(policy.cluster.devices) != world_size:
+                raise ConfigError(
+                    f"the cluster has {len(policy.cluster.devices)} devices for {world_size} ranks; give one per rank"
+                )
+            if dataset_size is None:
+                raise ConfigError("a planned allocation needs the dataset size (a map-style dataset)")
+            weights = plan(policy.cluster, dataset_size, policy.epochs, method=policy.method).samples
+        else:
+            return None
+        if weights is not None and len(weights) != world_size:
+            raise ConfigError(f"{policy.describe()} gives {len(weights)} weights for {world_size} ranks")
+        return None if weights is None else [float(w) for w in weights]
+
+    @property
+    def stable(self) -> bool:
+        return self.adaptive is None or self.adaptive.stable
+
+    def window(self) -> int | None:
+        """Measured steps to gather before the next ``observe``: k, 0 for each epoch's end, or None when the
+        shares no longer move (not adaptive, or stable and frozen)."""
+        if self.adaptive is None:
+            return None
+        policy: Adaptive = self.policy  # type: ignore[assignment]
+        if self.adaptive.stable:
+            return policy.watch_every if policy.drift is not None else None
+        return policy.replan_every
+
+    def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
+        """Feed each rank's compute seconds for the steps of a window at the current shares; return new shares if
+        they changed.
+
+        A rank's per-step times are summarized by their median, so a step that a
+        random straggler delayed does not read as a slower device; the spread
+        (median absolute deviation) is the noise a re-plan must beat.
+        """
+        if self.adaptive is None or not compute_s or not compute_s[0]:
+            return None
+        steps = len(compute_s[0])
+        medians = [statistics.median(times) for times in compute_s]
+        spreads = [1.4826 * statistics.median(abs(t - m) for t in times) / m
+                   for times, m in zip(compute_s, medians)]
+        step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5 if steps > 2 else None
+        before = list(self.shares)
+        self.shares = self.adaptive.update([m * steps for m in medians], steps, step_cv=step_cv)
+        if self.shares == before:
+            return None
+        self.replans += 1
+        return list(self.shares)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shares": list(self.shares), "replans": self.replans,
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.total:
+            raise ConfigError(
+                f"saved shares {state['shares']} do not fit {self.world_size} ranks and a global batch of {self.total}"
+            )
+        self.shares = list(state["shares"])
+        self.replans = int(state.get("replans", 0))
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])

@@ -1,0 +1,134 @@
+"""Parameter averaging: replicas that trained apart merge as w = sum_i weight_i w_i (local SGD, C-ADP).
+
+The one implementation of the local synchronization: the drop-in merges with it
+every K steps or per epoch, ``train_cadp`` after each epoch, and eager-SGD's
+periodic model synchronization averages with equal weights through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetdp.errors import ConfigError
+from hetdp.runtime import global_rank, wait_for
+from hetdp.sync.base import Synchronizer
+
+
+def merge_weights(samples: Sequence[int]) -> list[float]:
+    """D_i / D for every device: its weight in the C-ADP merge w = sum_i (D_i / D) w_i.
+
+    Raises:
+        ConfigError: a count is negative, or all are zero.
+    """
+    counts = [int(n) for n in samples]
+    if any(n < 0 for n in counts):
+        raise ConfigError(f"sample counts must be >= 0, got {counts}")
+    total = sum(counts)
+    if total == 0:
+        raise ConfigError(f"sample counts must not all be zero, got {counts}")
+    return [n / total for n in counts]
+
+
+def float_state(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors a merge averages: parameters and floating-point buffers (counters are left alone)."""
+    tensors = list(model.parameters())
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
+    return tensors
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 vector of all ``tensors``, for a single collective."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+
+
+def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors`` (the inverse of ``flatten``)."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+@torch.no_grad()
+def average_parameters(
+    model: nn.Module,
+    weight: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 60.0,
+    carry: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
+
+    The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
+    contributes nothing and receives the merged model. ``carry`` (float64 figures)
+    rides along in the same collective, summed unweighted, and is returned.
+
+    Raises:
+        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
+    """
+    tensors = float_state(model)
+    parts = [flatten(tensors) * weight] + ([carry.to(torch.float64).reshape(-1)] if carry is not None else [])
+    flat = torch.cat(parts)
+    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s)
+    unflatten_into(tensors, flat)
+    return flat[flat.numel() - carry.numel() :] if carry is not None else None
+
+
+@torch.no_grad()
+def broadcast_parameters(
+    model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
+) -> None:
+    """Give every rank the parameters and float buffers of rank ``src`` (the initial global model).
+
+    Raises:
+        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
+    """
+    tensors = float_state(model)
+    flat = flatten(tensors)
+    work = dist.broadcast(flat, global_rank(src, group), group=group, async_op=True)
+    wait_for(work, "initial model broadcast", timeout_s)
+    unflatten_into(tensors, flat)
+
+
+class ParameterAveraging(Synchronizer):
+    """The local synchronization of the drop-in: no gradient leaves a rank; replicas merge every ``every`` steps
+    (0: only at each epoch's end) with weights D_i / D, D_i being the samples rank i trained on since the last
+    merge.
+
+    Every rank knows D (the steps' global sample counts are the same everywhere), so a merge is one allreduce.
+    """
+
+    def __init__(self, every: int, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.every = every
+        self.group = group
+        self.timeout_s = timeout_s
+        self.samples = 0
+        """This rank's samples since the last merge."""
+        self.total = 0
+        """All ranks' samples since the last merge."""
+
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
+        """Keep the local gradient: the optimizer steps on this rank's samples alone."""
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def count(self, samples: int, total: int) -> None:
+        """Record a finished step of ``samples`` here and ``total`` over all ranks."""
+        self.samples += samples
+        self.total += total
+
+    def due(self, steps_since_meeting: int) -> bool:
+        return self.every > 0 and steps_since_meeting >= self.every
+
+    def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Merge the replicas (collective); ``carry`` rides along, summed."""
+        weight = self.samples / self.total
+        self.samples = self.total = 0
+        return average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s, carry=carry)
+

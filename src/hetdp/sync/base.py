@@ -1,0 +1,43 @@
+"""What the drop-in asks of a synchronization: reduce each gradient bucket, and now and then make the ranks meet."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Synchronizer(ABC):
+    """One rank's side of a synchronization, driven by the drop-in at fixed points of every step.
+
+    .. warning::
+        Every rank calls ``reduce`` for the same buckets of the same steps and
+        ``meet`` at the same points (``due`` gives the same answer everywhere):
+        both may be collectives.
+    """
+
+    meets_every_step = False
+    """Whether every step already synchronizes the ranks (then no meeting is ever due)."""
+    forward_sync_buffers = False
+    """Whether DDP should broadcast rank 0's buffers before each forward: only where every step waits for every
+    rank anyway; elsewhere it would make every rank wait for rank 0 at every step."""
+
+    @abstractmethod
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
+        """Combine one gradient bucket of a step in which this rank holds ``samples`` of the step's ``total``."""
+
+    def count(self, samples: int, total: int) -> None:
+        """Record a finished step (``samples`` here, ``total`` over all ranks)."""
+
+    def due(self, steps_since_meeting: int) -> bool:
+        """Whether the ranks meet after this step."""
+        return False
+
+    def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Bring every rank to the same parameters (collective); ``carry`` (float64) rides along, summed."""
+        return None
+
+    def close(self) -> None:
+        """Release threads and groups; every rank calls it."""

@@ -1,0 +1,160 @@
+"""Partial synchronization of gradients: each round is the sample-weighted mean of the contributions it holds.
+
+The one implementation of the partial synchronization (eager-SGD paper): the drop-in
+runs it from its DDP comm hook, ``EagerSGD`` from its ``step``. Both contribute
+``[n * g, n]`` (n samples behind gradient g) to a ``PartialAllreduce``, so a round
+that holds a fast rank's large batch and a slow rank's small one weighs them by
+their samples, as one synchronous step over the same samples would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
+from hetdp.errors import ConfigError
+from hetdp.sync.averaging import average_parameters
+from hetdp.sync.base import Synchronizer
+
+
+@dataclass(frozen=True, eq=False)
+class GradientRound:
+    """One round of sample-weighted gradients, identical on every rank except ``result.fresh``."""
+
+    weighted_sum: torch.Tensor
+    """sum_i n_i g_i over the contributions the round holds."""
+    samples: float
+    """sum_i n_i: the samples behind those contributions (0 for a round of empty contributions)."""
+    result: PartialResult
+    """The round itself: its index, contributors, parts and whether this rank's tensor is fresh in it."""
+
+    def mean(self) -> torch.Tensor:
+        """The sample-weighted mean gradient of the round (zeros if it holds no sample)."""
+        return self.weighted_sum / self.samples if self.samples else torch.zeros_like(self.weighted_sum)
+
+
+def combine(rounds: Sequence[GradientRound]) -> tuple[torch.Tensor, float] | None:
+    """Pool rounds into one sum and sample count: one step that applies them all applies their weighted mean."""
+    if not rounds:
+        return None
+    return sum(r.weighted_sum for r in rounds), math.fsum(r.samples for r in rounds)  # type: ignore[return-value]
+
+
+class PartialGradients(Synchronizer):
+    """Sample-weighted gradients through a partial allreduce (solo / majority / quorum / full).
+
+    ``contribute(flat, samples)`` adds this rank's gradient (the mean over its
+    ``samples``) and returns every round completed since the last call, oldest
+    first: each rank receives every round, in order, and a gradient that missed its
+    round travels in the next one (see ``PartialAllreduce``).
+
+    As the drop-in's synchronization, each step's gradient buckets are pooled into
+    one contribution at the last bucket, and the step applies the sample-weighted
+    mean of every round the call returned. Every ``sync_every`` steps and at each
+    epoch's end the ranks *meet*: they flush the rounds in flight (kept for the next
+    step, so no gradient is lost) and average their parameters, since a rank that
+    applies several rounds in one step of a stateful optimizer drifts slightly from
+    one that applied them in separate steps.
+
+    .. warning::
+        Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
+    """
+
+    def __init__(
+        self,
+        like: torch.Tensor | int,
+        config: PartialConfig,
+        group: dist.ProcessGroup | None = None,
+        *,
+        sync_every: int = 0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Start the partial allreduce for gradients shaped like ``like`` (or of that many elements).
+
+        Args:
+            like: a flat gradient (its dtype and device), or its element count (float32 on the CPU).
+            config: the partial allreduce's mode, quorum, seed and timeouts.
+            group: the ranks taking part (None: the default group).
+            sync_every: as the drop-in's synchronization, steps between meetings (0: per epoch only).
+            timeout_s: deadline of a meeting's parameter averaging.
+        """
+        numel = like if isinstance(like, int) else like.numel()
+        if isinstance(numel, bool) or numel < 1:
+            raise ConfigError(f"like must be a tensor or a positive element count, got {like!r}")
+        payload = torch.zeros(numel + 1) if isinstance(like, int) else like.detach().new_zeros(numel + 1)
+        self.numel = numel
+        self.partial = PartialAllreduce.from_config(payload, config, group)
+        self.world_size = self.partial.world_size
+        self.group = group
+        self.sync_every = sync_every
+        self.timeout_s = timeout_s
+        self._buckets: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self._carried: list[GradientRound] = []
+        """Rounds flushed at a meeting, applied with the next step's gradient."""
+
+    # --- the partial allreduce of gradients ----------------------------------------------------------------
+
+    def contribute(self, flat: torch.Tensor, samples: float = 1.0) -> list[GradientRound]:
+        """Add ``flat`` (the mean gradient over ``samples``) and return the rounds the call completes, oldest first.
+
+        Raises:
+            PeerTimeoutError: a peer died or did not arrive in time.
+        """
+        payload = torch.cat([flat.detach().reshape(-1) * samples, flat.new_full((1,), float(samples))])
+        return self._rounds(self.partial.allreduce(payload).rounds)
+
+    def poll(self) -> list[GradientRound]:
+        """The rounds completed since the last call, without contributing or waiting."""
+        return self._rounds(self.partial.poll())
+
+    def flush(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:
+        """Collective: the rounds this rank has not received, then one that empties every send buffer."""
+        return self._rounds(self.partial.flush(self._forward(on_round)))
+
+    def _forward(self, on_round: Callable[[GradientRound], None] | None) -> Callable[[PartialResult], None] | None:
+        return None if on_round is None else lambda result: on_round(self._round(result))
+
+    def _rounds(self, results: Sequence[PartialResult]) -> list[GradientRound]:
+        return [self._round(result) for result in results]
+
+    def _round(self, result: PartialResult) -> GradientRound:
+        flat = result.tensor.reshape(-1)
+        return GradientRound(weighted_sum=flat[: self.numel], samples=float(flat[self.numel]), result=result)
+
+    # --- as the drop-in's synchronization ------------------------------------------------------------------
+
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
+        """Pool the step's buckets; at the last one, contribute them and fill every bucket with the rounds' mean."""
+        pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._buckets.append((bucket.buffer(), pending))
+        if bucket.is_last():
+            buckets, self._buckets = self._buckets, []
+            flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
+            rounds, self._carried = self._carried + self.contribute(flat, samples), []
+            weighted_sum, pooled_samples = combine(rounds)  # type: ignore[misc]
+            gradient = weighted_sum / pooled_samples if pooled_samples else torch.zeros_like(weighted_sum)
+            offset = 0
+            for buffer, future in buckets:
+                buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()
+                future.set_result(buffer)
+        return pending
+
+    def due(self, steps_since_meeting: int) -> bool:
+        return self.sync_every > 0 and steps_since_meeting >= self.sync_every
+
+    def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Flush the rounds in flight (applied with the next step) and average the parameters equally."""
+        self._carried += self.flush()
+        return average_parameters(model, 1.0 / self.world_size, group=self.group, timeout_s=self.timeout_s,
+                                  carry=carry)
+
+    def close(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:  # type: ignore[override]
+        """Flush and stop the partial allreduce (idempotent; every rank calls it)."""
+        return self._rounds(self.partial.close(self._forward(on_round)))

@@ -1,0 +1,65 @@
+"""When a rank's step computed and when its gradients came back: the figures allocation and diagnosis run on."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hetdp.cluster.emulate import Pacer
+from hetdp.runtime import synchronize
+
+
+class StepClock:
+    """Time one rank's steps: compute (first forward to last gradient bucket ready) and wait (until synchronized).
+
+    Compute excludes waiting for others, which is what the adaptive rule needs;
+    on CUDA it comes from events on the device's timeline, since the host only
+    queues kernels. Emulated slowness (``Pacer``) is slept inside the compute: a
+    straggler delay and a lead at ``start``, the rest at the last bucket, after
+    the step's real compute, so the real work of ranks sharing a few cores
+    overlaps with the sleeps of others instead of delaying the exchange.
+    """
+
+    def __init__(self, device: torch.device, pacer: Pacer) -> None:
+        self.device = device
+        self.pacer = pacer
+        self.events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        )
+        self.started_at = self.ready_at = self.synced_at = 0.0
+        self._paced: tuple[int, int] | None = None
+        """(step, samples) of the started step until its padding has run."""
+
+    def start(self, step: int, samples: int) -> None:
+        """The step's first forward begins."""
+        self.started_at = self.ready_at = self.synced_at = time.perf_counter()
+        self._paced = (step, samples)
+        if self.events:
+            self.events[0].record()
+        self.pacer.start(step, samples)
+
+    def mark_ready(self, last_bucket: bool) -> None:
+        """A gradient bucket is ready; after the last one, pad the compute to the emulated device's."""
+        if last_bucket and self._paced is not None:
+            step, samples = self._paced
+            self._paced = None
+            synchronize(self.device)
+            self.pacer.finish(step, samples, time.perf_counter() - self.started_at)
+        self.ready_at = time.perf_counter()
+        if self.events:
+            self.events[1].record()
+
+    def mark_synced(self) -> None:
+        """The step's gradients are combined."""
+        self.synced_at = time.perf_counter()
+
+    def compute_s(self) -> float:
+        """Seconds from ``start`` to the last ``mark_ready``; call after synchronizing the device."""
+        if self.events:
+            return self.events[0].elapsed_time(self.events[1]) / 1000.0
+        return self.ready_at - self.started_at
+
+    def wait_s(self) -> float:
+        """Seconds from the last bucket ready to the gradients combined: waiting for others plus the exchange."""
+        return max(self.synced_at - self.ready_at, 0.0)

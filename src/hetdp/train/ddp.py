@@ -1,0 +1,490 @@
+"""The drop-in: DDP whose ranks compute unequal shares of every step, combined by the synchronization of your choice.
+
+A user's DDP script adopts it by wrapping the model with ``hetdp.DDP`` instead of
+torch's and passing its DataLoader through ``model.allocate``; the loop body
+(forward, backward, AMP, clipping, ``optimizer.step()``, schedulers) stays theirs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader
+
+from hetdp.allocate.policy import AllocationPolicy, Allocator, allocation_policy
+from hetdp.cluster.emulate import Emulation
+from hetdp.errors import ConfigError
+from hetdp.runtime import wait_for
+from hetdp.sync.averaging import ParameterAveraging
+from hetdp.sync.base import Synchronizer
+from hetdp.sync.gradient_sum import GradientSum
+from hetdp.sync.partial import PartialGradients
+from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
+from hetdp.train.clock import StepClock
+from hetdp.train.loader import AllocatedLoader, StepTicket
+from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
+
+log = logging.getLogger(__name__)
+
+HISTORY_STEPS = 10_000
+"""Per-step figures kept in ``step_figures`` (the oldest are dropped; a metrics file keeps them all)."""
+
+
+class _HookState:
+    """What the comm hook needs, kept apart from the module: a cycle through DDP would keep its group alive."""
+
+    def __init__(self, clock: StepClock, synchronizer: Synchronizer, world_size: int) -> None:
+        self.clock = clock
+        self.synchronizer = synchronizer
+        self.world_size = world_size
+        self.samples, self.total = 1, world_size  # outside a step: plain DDP's mean over ranks
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.clock.mark_ready(bucket.is_last())
+        return self.synchronizer.reduce(bucket, self.samples, self.total).then(self._synced)
+
+    def _synced(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        self.clock.mark_synced()
+        return future.value()
+
+
+def _comm_hook(state, bucket):  # no annotations: DDP checks them as types, and here they would be strings
+    """DDP comm hook: weight and combine a bucket by the step's shares (see ``_HookState``)."""
+    return state.reduce(bucket)
+
+
+@dataclass
+class _OpenStep:
+    ticket: StepTicket
+    total: int
+    """Samples of the step over all ranks."""
+    started: bool = False
+
+
+@contextlib.contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` in eval mode, then restore every submodule's own mode."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> Synchronizer:
+    if isinstance(spec, Allreduce):
+        return GradientSum(group, timeout_s)
+    if isinstance(spec, LocalAveraging):
+        return ParameterAveraging(spec.every, group, timeout_s)
+    params = [p for p in module.parameters() if p.requires_grad]
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) != 1:
+        raise ConfigError(f"partial synchronization needs trainable parameters of one dtype and device, got {kinds}")
+    like = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    return PartialGradients(like, spec.partial_config(), group, sync_every=spec.sync_every, timeout_s=timeout_s)
+
+
+class DistributedDataParallel(TorchDDP):
+    """DDP in which rank i computes ``shares[i]`` samples of every step, for an allocation × synchronization pairing.
+
+    Allocation (who computes how much): ``"equal"`` (plain DDP), ``hetdp.Static(weights)``,
+    ``"adaptive"`` (the default: re-planned from measured compute times, and again
+    when a device drifts) or ``hetdp.Planned(cluster)``. Synchronization (how
+    contributions combine): ``"allreduce"`` (the default: the gradient is exactly
+    the mean over the step's samples, whatever the shares), a partial allreduce
+    (``"solo"``, ``"majority"``, ``"quorum:K"``: a step does not wait for the
+    slowest; each round is the sample-weighted mean of what it holds) or local
+    training with weighted parameter averaging (``"local"`` per epoch,
+    ``"local:K"`` every K steps). Both may also come from ``hetdp run --allocation
+    / --sync`` when the code leaves them out.
+
+    The loop stays the user's: ``model.allocate(loader)`` returns their DataLoader
+    re-cut so that each batch is this rank's share of the step, and the comm hook
+    weighs each rank's gradient (the mean loss over its own batch) by its share of
+    the step. A rank with no sample in a step (the epoch's last step, with fewer
+    samples than ranks) gets a one-sample stand-in batch, run in eval mode and
+    weighted 0. Under ``hetdp run --speeds / --stragglers / --speed-change`` every
+    step is paced to its emulated device by itself.
+
+    .. warning::
+        Every rank must construct it with the same allocation and synchronization,
+        and iterate the allocated loader the same way: every step is collective.
+        Build it after ``init_process_group`` (or ``hetdp.init_distributed``), and
+        ``close()`` it (or use it as a context manager) before destroying the group.
+
+    Example::
+
+        >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
+        >>> model = hetdp.DDP(net.to(device))                      # was: DDP(net.to(device))
+        >>> loader = model.allocate(DataLoader(data, batch_size=32, sampler=DistributedSampler(data)))
+        >>> for epoch in range(epochs):
+        ...     loader.sampler.set_epoch(epoch)
+        ...     for batch in loader:                                 # rank i: shares[i] of 32 x 4 samples
+        ...         optimizer.zero_grad()
+        ...         loss_fn(model(batch["x"]), batch["y"]).backward()
+        ...         optimizer.step()
+        ...     print(model.last_epoch.diagnosis())                  # "rank 0 is the straggler, by compute: ..."
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        allocation: str | AllocationPolicy | None = None,
+        sync: str | SyncPolicy | None = None,
+        *,
+        step_timeout_s: float = 60.0,
+        metrics: MetricsConfig | None = None,
+        emulation: Emulation | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        **ddp_options: Any,
+    ) -> None:
+        """Wrap ``module`` (already on its device); collective over ``process_group``.
+
+        Args:
+            module: the model; rank 0's parameters and buffers reach every rank, as with DDP.
+            allocation: see the class docstring (None: ``$HETDP_ALLOCATION``, else ``"adaptive"``).
+            sync: see the class docstring (None: ``$HETDP_SYNC``, else ``"allreduce"``).
+            step_timeout_s: how long a step's collectives wait for the slowest rank; past it a dead or hung peer
+                raises ``PeerTimeoutError`` instead of hanging. Too small: a slow but healthy step raises too.
+            metrics: where rank 0 writes per-step and per-epoch figures (CSV, TensorBoard), if anywhere.
+            emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
+            process_group: the ranks training together (None: a new group of all ranks with ``step_timeout_s``).
+            ddp_options: passed to ``torch.nn.parallel.DistributedDataParallel`` (``device_ids``, ...).
+
+        Raises:
+            ConfigError: a bad allocation, synchronization or setting, or torch.distributed not initialized.
+        """
+        if not dist.is_initialized():
+            raise ConfigError("hetdp.DDP needs torch.distributed: call init_process_group (or hetdp.init_distributed)")
+        if not step_timeout_s > 0:
+            raise ConfigError(f"step_timeout_s must be > 0 seconds, got {step_timeout_s!r}")
+        policy, sync_spec = allocation_policy(allocation), sync_policy(sync)
+        own_group = process_group is None
+        group = dist.new_group(timeout=datetime.timedelta(seconds=step_timeout_s)) if own_group else process_group
+        # Partial and local synchronization must not make every forward wait for rank 0's buffers.
+        every_step = isinstance(sync_spec, Allreduce)
+        if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
+            ddp_options.setdefault("forward_sync_buffers", every_step)
+        elif not every_step:
+            ddp_options.setdefault("broadcast_buffers", False)
+        super().__init__(module, process_group=group, **ddp_options)
+        self.allocation = policy
+        self.sync = sync_spec
+        self.step_timeout_s = step_timeout_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._own_group = own_group
+        self._group: dist.ProcessGroup | None = group
+        device = next(module.parameters()).device
+        self.emulation = emulation if emulation is not None else Emulation.from_env()
+        self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
+        self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s)
+        self._hook = _HookState(self.clock, self.synchronizer, self.world_size)
+        self.register_comm_hook(self._hook, _comm_hook)
+        self.metrics = metrics or MetricsConfig()
+        self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
+        self.allocator: Allocator | None = None
+        self._loader: weakref.ref[AllocatedLoader] | None = None
+        """The allocated loader (weakly: it holds the model, and a cycle would keep the process group alive)."""
+        self._schedule: list[tuple[int, list[int]]] = []
+        """(first step, shares from it on), by step: decisions apply only to steps not yet cut by any rank."""
+        self.steps_done = 0
+        """Steps finished, over all epochs: the global index of the next step."""
+        self.step_figures: collections.deque[StepFigures] = collections.deque(maxlen=HISTORY_STEPS)
+        """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
+        meetings and epoch ends)."""
+        self.epoch_reports: list[EpochReport] = []
+        self._open: _OpenStep | None = None
+        self._pending: list[tuple[StepTicket, float, float]] = []
+        """This rank's (step, compute s, wait s) since the last gather."""
+        self._window: list[torch.Tensor] = []
+        """Every rank's compute seconds for each gathered step at the current shares, not yet observed."""
+        self._since_meeting = 0
+        self._epoch: dict[str, Any] = {}
+
+    # --- the allocation ---------------------------------------------------------------------------------------
+
+    def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
+                 seed: int | None = None) -> AllocatedLoader:
+        """Re-cut ``loader`` so that each batch is this rank's share of a step of ``global_batch`` samples.
+
+        Every DataLoader option is kept; only the batching changes. The epoch order
+        follows the loader's ``DistributedSampler`` (its shuffle and seed), or
+        ``shuffle`` / ``seed`` when given.
+
+        Args:
+            loader: the DataLoader this rank would iterate under plain DDP.
+            global_batch: samples per step over all ranks (default: the loader's batch size x world size, as DDP).
+            shuffle, seed: override the order read off the loader's sampler.
+
+        Raises:
+            ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, or a global batch too small
+                for the ranks.
+        """
+        if global_batch is None:
+            if loader.batch_size is None:
+                raise ConfigError("the loader has no batch_size (a batch_sampler?): pass global_batch=")
+            global_batch = loader.batch_size * self.world_size
+        dataset_size = len(loader.dataset) if hasattr(loader.dataset, "__len__") else None
+        if self.allocator is None:
+            minimum = 1 if global_batch >= self.world_size else 0
+            self.allocator = Allocator(self.allocation, self.world_size, global_batch, dataset_size=dataset_size,
+                                       minimum=minimum)
+            self._schedule = [(self.steps_done, list(self.allocator.shares))]
+        elif self.allocator.total != global_batch:
+            raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
+                              f"not {global_batch}: one global batch per model")
+        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed)
+        self._loader = weakref.ref(allocated)
+        return allocated
+
+    @property
+    def shares(self) -> list[int]:
+        """Samples per step of every rank, as last planned (they apply from the next step not yet cut)."""
+        return list(self._schedule[-1][1]) if self._schedule else []
+
+    def shares_at(self, step: int) -> list[int]:
+        """The shares of global step ``step``."""
+        for first, shares in reversed(self._schedule):
+            if first <= step:
+                return list(shares)
+        return list(self._schedule[0][1])
+
+    # --- the step lifecycle (the allocated loader drives it; loops with their own batching may too) -------------
+
+    def begin_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Start the epoch's figures; the allocated loader calls it."""
+        self._epoch = {"epoch": epoch, "first": self.steps_done - start_step, "started": time.perf_counter(),
+                       "compute_s": 0.0, "wait_s": 0.0, "samples": 0, "steps": 0, "loss": None, "loss_samples": 0,
+                       "replans": []}
+
+    def begin_step(self, samples: int, total: int) -> None:
+        """Open a step in which this rank computes ``samples`` of the step's ``total`` (0: a stand-in batch, run in
+        eval mode and weighted 0). The allocated loader calls it; a loop with its own batching calls it before each
+        step's first forward, and ``end_step`` after ``optimizer.step()``."""
+        if not 0 <= samples <= total or total < 1:
+            raise ConfigError(f"a step needs 0 <= samples <= total and total >= 1, got {samples} of {total}")
+        if not self._epoch:
+            self.begin_epoch(0)
+        block = tuple(samples if rank == self.rank else 0 for rank in range(self.world_size))
+        index = self.steps_done - self._epoch["first"]
+        ticket = StepTicket(step=self.steps_done, epoch=self._epoch["epoch"], index=index, block=block,
+                            rank=self.rank)
+        self.begin_ticket(ticket, total)
+
+    def begin_ticket(self, ticket: StepTicket, total: int | None = None) -> None:
+        """Open a step cut by the allocated loader (``total`` defaults to the ticket's)."""
+        if self._open is not None:
+            log.debug("rank %d: step %d was left open (the loop broke off); its figures are dropped", self.rank,
+                      self._open.ticket.step)
+        if not self._epoch:
+            self.begin_epoch(ticket.epoch)
+        self._open = _OpenStep(ticket, ticket.total if total is None else total)
+        self._hook.samples, self._hook.total = ticket.samples, self._open.total
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        step = self._open
+        if step is not None and not step.started and torch.is_grad_enabled():
+            step.started = True
+            self.clock.start(step.ticket.step, step.ticket.samples)
+        if step is not None and step.ticket.samples == 0 and self.module.training:
+            with _evaluating(self.module):
+                return super().forward(*inputs, **kwargs)
+        return super().forward(*inputs, **kwargs)
+
+    def record_loss(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
+        """Count a loss (the mean over ``samples``, default this step's) into the epoch report's ``loss``."""
+        samples = self._open.ticket.samples if samples is None and self._open is not None else samples
+        if not samples:
+            return
+        value = loss.detach().float() * samples if isinstance(loss, torch.Tensor) else float(loss) * samples
+        self._epoch["loss"] = value if self._epoch.get("loss") is None else self._epoch["loss"] + value
+        self._epoch["loss_samples"] = self._epoch.get("loss_samples", 0) + samples
+
+    def end_step(self) -> None:
+        """Close the step (after ``optimizer.step()``): record its figures; meet or re-plan when due."""
+        step, self._open = self._open, None
+        if step is None:
+            raise ConfigError("end_step() without an open step (call begin_step first)")
+        self._hook.samples, self._hook.total = 1, self.world_size
+        ticket = step.ticket
+        compute_s = self.clock.compute_s() if step.started else 0.0
+        wait_s = self.clock.wait_s() if step.started else 0.0
+        self.synchronizer.count(ticket.samples, step.total)
+        self._pending.append((ticket, compute_s, wait_s))
+        for key, value in (("compute_s", compute_s), ("wait_s", wait_s), ("samples", ticket.samples), ("steps", 1)):
+            self._epoch[key] += value
+        self.steps_done += 1
+        self._since_meeting += 1
+        if self.synchronizer.meets_every_step:
+            if self._gather_due():
+                self._gather_and_plan()
+        elif self.synchronizer.due(self._since_meeting):
+            self._gather_and_plan(meet=True)
+
+    def end_epoch(self) -> EpochReport:
+        """Close the epoch: merge where the synchronization meets per epoch, gather its figures, re-plan if due.
+
+        Collective; the allocated loader calls it after the epoch's last step.
+        """
+        meet = not self.synchronizer.meets_every_step and self._since_meeting > 0
+        elapsed_s = time.perf_counter() - self._epoch["started"]
+        loss = self._epoch["loss"]
+        totals = [self._epoch["compute_s"], self._epoch["wait_s"], float(self._epoch["samples"]), elapsed_s,
+                  0.0 if loss is None else float(loss), float(self._epoch["loss_samples"])]
+        gathered = self._gather_and_plan(meet=meet, totals=totals, epoch_end=True)
+        loss_samples = float(gathered[:, 5].sum())
+        report = EpochReport(
+            epoch=self._epoch["epoch"],
+            shares=self.shares,
+            steps=self._epoch["steps"],
+            epoch_s=float(gathered[:, 3].max()),
+            compute_s=gathered[:, 0].tolist(),
+            wait_s=gathered[:, 1].tolist(),
+            samples=[int(n) for n in gathered[:, 2].tolist()],
+            loss=float(gathered[:, 4].sum()) / loss_samples if loss_samples else None,
+            replans=self._epoch["replans"],
+            stable=self.allocator.stable if self.allocator is not None else True,
+        )
+        self.epoch_reports.append(report)
+        if self._writer is not None:
+            self._writer.write_epoch(report)
+        self._epoch = {}
+        return report
+
+    @property
+    def last_epoch(self) -> EpochReport | None:
+        """The latest epoch's report (identical on every rank), or None before the first epoch ended."""
+        return self.epoch_reports[-1] if self.epoch_reports else None
+
+    # --- gathering figures, re-planning -----------------------------------------------------------------------
+
+    def _gather_due(self) -> bool:
+        window = self.allocator.window() if self.allocator is not None else None
+        measured = sum(1 for ticket, _, _ in self._pending if list(ticket.block) == self._current_shares())
+        if window and len(self._window) + measured >= window:
+            return True
+        return self.metrics.enabled and len(self._pending) >= self.metrics.every
+
+    def _current_shares(self) -> list[int]:
+        return self.allocator.shares if self.allocator is not None else []
+
+    def _gather_and_plan(self, *, meet: bool = False, totals: Sequence[float] = (), epoch_end: bool = False
+                         ) -> torch.Tensor:
+        """Bring every rank's figures since the last gather to all ranks (riding a meeting if one is due), record
+        them, re-plan if the window is full; return the gathered ``totals`` (ranks x len(totals))."""
+        pending, self._pending = self._pending, []
+        loader = self._loader() if self._loader is not None else None
+        horizon = loader.sampler.next_step if loader is not None else self.steps_done
+        row = [float(horizon), *(c for _, c, _ in pending), *(w for _, _, w in pending),
+               *(float(t.samples) for t, _, _ in pending), *totals]
+        gathered = self._exchange(row, meet)
+        width = len(pending)
+        compute, wait = gathered[:, 1 : 1 + width], gathered[:, 1 + width : 1 + 2 * width]
+        samples = gathered[:, 1 + 2 * width : 1 + 3 * width].round().long()
+        figures = [StepFigures(step=t.step, epoch=t.epoch, shares=samples[:, i].tolist(),
+                               compute_s=compute[:, i].tolist(), wait_s=wait[:, i].tolist())
+                   for i, (t, _, _) in enumerate(pending)]
+        self.step_figures.extend(figures)
+        if self._writer is not None and figures:
+            self._writer.write_steps(figures)
+        current = self._current_shares()
+        self._window += [compute[:, i] for i, (t, _, _) in enumerate(pending) if list(t.block) == current]
+        self._plan(int(gathered[:, 0].max().item()), epoch_end)
+        return gathered[:, 1 + 3 * width :]
+
+    def _exchange(self, row: list[float], meet: bool) -> torch.Tensor:
+        """Every rank's ``row`` (equal lengths), as a ranks x len(row) float64 CPU tensor."""
+        if meet:
+            carry = torch.zeros(self.world_size, len(row), dtype=torch.float64)
+            carry[self.rank] = torch.tensor(row, dtype=torch.float64)
+            summed = self.synchronizer.meet(self.module, carry.reshape(-1))
+            self._since_meeting = 0
+            return summed.reshape(self.world_size, len(row)).cpu()  # type: ignore[union-attr]
+        device = self.clock.device
+        mine = torch.tensor(row, dtype=torch.float64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        wait_for(dist.all_gather(rows, mine, group=self._group, async_op=True), "gathering step figures",
+                 self.step_timeout_s)
+        return torch.stack(rows).cpu()
+
+    def _plan(self, horizon: int, epoch_end: bool) -> None:
+        allocator = self.allocator
+        if allocator is None:
+            return
+        window = allocator.window()
+        due = (window is not None and window > 0 and len(self._window) >= window) or (
+            window == 0 and epoch_end and self._window)
+        if not due:
+            if window is None:
+                self._window = []
+            return
+        compute = torch.stack(self._window, dim=1).tolist()  # ranks x steps
+        self._window = []
+        shares = allocator.observe(compute)
+        if shares is None:
+            return
+        first = max(horizon, self.steps_done)
+        self._schedule.append((first, shares))
+        if self._epoch:
+            self._epoch["replans"].append((first - self._epoch["first"], shares))
+        log.debug("rank %d: shares %s from step %d", self.rank, shares, first)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+
+    def hetdp_state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs beside the module and optimizer: the allocation and the step count."""
+        return {"allocator": None if self.allocator is None else self.allocator.state_dict(),
+                "steps_done": self.steps_done, "world_size": self.world_size}
+
+    def load_hetdp_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch."""
+        self.steps_done = int(state["steps_done"])
+        if self.allocator is not None and state.get("allocator") is not None:
+            self.allocator.load_state_dict(state["allocator"])
+            self._schedule = [(self.steps_done, list(self.allocator.shares))]
+        self._window, self._pending = [], []
+
+    # --- life cycle -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the synchronization and release the process group the model made; every rank calls it
+        (idempotent). A gloo group left alive at interpreter exit can abort the process."""
+        if self._group is None:
+            return
+        self.synchronizer.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._own_group:
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"hetdp.DDP(allocation={self.allocation.describe()}, sync={self.sync.describe()}, "
+                f"rank={self.rank}/{self.world_size}, shares={self.shares}, steps={self.steps_done})")
+
+
+DDP = DistributedDataParallel
