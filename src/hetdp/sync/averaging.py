@@ -113,9 +113,12 @@ class ParameterAveraging(Synchronizer):
         """All ranks' samples since the last merge."""
 
     def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
-        """Keep the local gradient: the optimizer steps on this rank's samples alone."""
+        """Keep the local gradient: the optimizer steps on this rank's samples alone (none for a stand-in)."""
+        buffer = bucket.buffer()
+        if not samples:
+            buffer.zero_()
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(bucket.buffer())
+        done.set_result(buffer)
         return done
 
     def count(self, samples: int, total: int) -> None:

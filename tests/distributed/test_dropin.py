@@ -1,0 +1,129 @@
+"""The drop-in (hetdp.DDP + model.allocate) in a user's own loop, with real processes over gloo."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetdp.cluster.emulate import Emulation
+from hetdp.train.loader import StepSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from dropin_worker import Pairs, make_model, make_optimizer  # noqa: E402
+
+RANKS = 4
+
+
+def launch(torchrun, out: Path, scenarios: str, env: dict | None = None, timeout_s: float = 300) -> Path:
+    torchrun("dropin_worker.py", RANKS, "--out", out, "--scenarios", scenarios, env=env, timeout_s=timeout_s)
+    return out
+
+
+def load(out: Path, scenario: str) -> list[dict]:
+    return [json.loads((out / f"{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, torchrun) -> Path:
+    """One launch for every scenario whose emulation, if any, is given in code."""
+    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,metrics")
+
+
+def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches, with the mean loss over each global batch."""
+    model = make_model(7)
+    optimizer = make_optimizer(model, kind)
+    steps = -(-size // global_batch)
+    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps)
+                 if kind == "adamw" else None)
+    data = Pairs(size)
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=3,
+                          drop_last=False)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        for first in range(0, size, global_batch):
+            index = torch.tensor(order[first : first + global_batch])
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
+            if kind == "adamw":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("sync", "kind"), [("allreduce", "adamw"), ("full", "adamw"), ("local:1", "sgd")])
+def test_unequal_shares_in_the_users_loop_train_as_one_process_on_the_global_batch(out, sync, kind):
+    # AdamW with a per-step schedule and clipping, dict batches from a DataLoader worker, a last step of 2 samples
+    # for 4 ranks; a partial allreduce whose every round holds all ranks (full), and merges after every step of
+    # plain SGD (local:1), give the same parameters as the allreduce: rounds and merges weigh samples.
+    figures = load(out, "exact")[0][sync]
+    assert figures["shares"] == [2, 4, 6, 4] and figures["steps"] == 4
+    assert all(sum(samples) == 50 for samples in figures["samples"])
+    assert figures["blocks"][3] == [0, 1, 1, 0]  # two ranks sit out the last step with a stand-in
+    expected = reference(50, 16, 2, kind)
+    for name, tensor in torch.load(out / f"exact_{sync}.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
+
+
+def test_a_last_step_with_fewer_samples_than_ranks_completes_under_every_allocation(out):
+    results = load(out, "policies")
+    for name in ("equal", "static:1,1,2,4", "adaptive"):
+        figures = results[0][name]
+        assert figures["steps"] == 17 and sum(figures["samples"]) == 2050, (name, figures)
+        assert all(r[name] == figures for r in results)
+
+
+def test_a_rank_without_samples_never_trains_its_batchnorm_on_a_stand_in(out):
+    # Rank 3 has weight 0: a stand-in every step. As under DDP, every forward starts from rank 0's buffers, so each
+    # rank's BatchNorm counts rank 0's batches, plus one for its own last forward, but not for a stand-in.
+    results = load(out, "batchnorm")
+    assert results[3]["real_steps"] == 0 and results[3]["tracked"] == 3
+    for rank in range(3):
+        assert results[rank]["tracked"] == results[rank]["real_steps"] == results[rank]["steps"] == 4
+
+
+def test_the_emulation_of_hetdp_run_reaches_the_drop_in_and_it_rebalances(tmp_path, torchrun):
+    env = Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=2.0).to_env()
+    results = load(launch(torchrun, tmp_path, "emulated", env=env), "emulated")
+    shares = results[0]["shares"]
+    assert results[0]["speeds"] == [1.0, 1.0, 2.0, 4.0]
+    for share, ideal in zip(shares, [8, 8, 16, 32]):
+        assert abs(share - ideal) <= 0.2 * ideal, shares
+    assert results[0]["epochs"][0]["replans"], "no re-plan in the first epoch"
+
+
+def test_a_device_that_slows_down_after_the_shares_settle_is_rebalanced(out):
+    figures = load(out, "drift")[0]
+    assert figures["changes"] == [[25, [1.0, 1.0, 2.0, 1.0]]]
+    assert figures["restarts"] >= 1
+    for share, ideal in zip(figures["shares"], [64 * v / 5 for v in (1.0, 1.0, 2.0, 1.0)]):
+        assert abs(share - ideal) <= 0.2 * ideal, figures["shares"]
+
+
+def test_partial_and_local_synchronization_meet_with_identical_replicas_and_cover_every_epoch(out):
+    results = load(out, "partial")
+    for name in ("majority", "solo", "local:3"):
+        figures = results[0][name]
+        assert figures["gap"] == 0.0, (name, figures["gap"])
+        assert all(sum(samples) == figures["dataset"] for samples in figures["samples"]), name
+        assert figures["replans"] >= 1 and figures["shares"][3] > figures["shares"][0], (name, figures["shares"])
+
+
+def test_metrics_are_written_for_every_step_and_rank(out):
+    results = load(out, "metrics")
+    with (out / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == results[0]["steps"] * RANKS == results[0]["figures"] * RANKS
+    assert {int(row["rank"]) for row in rows} == set(range(RANKS))
+    assert all(float(row["compute_s"]) >= 0 and float(row["wait_s"]) >= 0 for row in rows)
+    with (out / "metrics_epochs.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 2 * RANKS

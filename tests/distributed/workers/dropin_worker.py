@@ -1,0 +1,159 @@
+"""Worker for tests/distributed/test_dropin.py: the drop-in in a user's own loop, one scenario per --scenario.
+
+Each scenario trains with ``hetdp.DDP`` and ``model.allocate`` in a plain
+``zero_grad / forward / backward / step`` loop over a DataLoader of dict batches
+with a worker process, and rank 0 (or every rank) saves what the test checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import hetdp
+
+FEATURES = 6
+
+
+class Pairs(Dataset):
+    """A map-style dataset of dict items, as users write them."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, FEATURES, generator=generator)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "y": self.y[index]}
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.3)
+    return torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def train(model: hetdp.DDP, loader, optimizer, epochs: int, *, clip: float | None = None, schedule: bool = False):
+    """The user's loop, untouched by hetdp: every option a real loop has."""
+    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * len(loader))
+                 if schedule else None)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+
+
+def loader_for(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=3), num_workers=workers)
+
+
+def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
+    out: Path = args.out
+    result: dict = {}
+    emulation = hetdp.Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=2.0)
+    if scenario == "exact":
+        # Unequal static shares, AdamW + per-step schedule + clipping, a worker process, and a last step with fewer
+        # samples than ranks (2 of 4): two ranks join it with a stand-in weighted 0.
+        for sync in ("allreduce", "full", "local:1"):
+            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 3.0, 2.0)), sync)
+            loader = model.allocate(loader_for(Pairs(50), batch_size=4, workers=1))
+            kind = "sgd" if sync == "local:1" else "adamw"  # local:1 equals allreduce only for plain SGD
+            train(model, loader, make_optimizer(model, kind), 2, clip=None if kind == "sgd" else 0.5,
+                  schedule=kind == "adamw")
+            result[sync] = {"shares": model.shares, "steps": len(loader),
+                            "samples": [r.samples for r in model.epoch_reports],
+                            "blocks": [f.shares for f in model.step_figures]}
+            if rank == 0:
+                torch.save(model.module.state_dict(), out / f"exact_{sync}.pt")
+            model.close()
+    elif scenario == "policies":
+        # The issue's crash: 2,050 samples, 4 ranks, 32 per rank: the last step holds 2 samples.
+        for allocation in ("equal", hetdp.Static((1.0, 1.0, 2.0, 4.0)), "adaptive"):
+            model = hetdp.DDP(make_model(), allocation)
+            loader = model.allocate(loader_for(Pairs(2050), batch_size=32))
+            train(model, loader, make_optimizer(model, "sgd"), 1)
+            result[model.allocation.describe()] = {"samples": model.last_epoch.samples, "steps": len(loader)}
+            model.close()
+    elif scenario == "batchnorm":
+        # A rank with no sample in a step never runs its BatchNorm in train mode on a stand-in.
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        model = hetdp.DDP(net, hetdp.Static((1.0, 1.0, 2.0, 0.0)), "allreduce")
+        loader = model.allocate(loader_for(Pairs(60), batch_size=4))
+        train(model, loader, make_optimizer(model, "sgd"), 1)
+        real = sum(1 for f in model.step_figures if f.shares[rank] > 0)
+        result = {"tracked": int(net[1].num_batches_tracked), "real_steps": real, "steps": len(loader)}
+    elif scenario in ("emulated", "drift"):
+        # "emulated": the emulation reaches the drop-in through the environment only (hetdp run sets it);
+        # "drift": the fastest rank drops to speed 1 at step 25, after the shares settled.
+        if scenario == "drift":
+            emulation = dataclasses.replace(emulation, speed_changes=((25, (1.0, 1.0, 2.0, 1.0)),))
+        model = hetdp.DDP(make_model(), "adaptive", emulation=emulation if scenario == "drift" else None)
+        loader = model.allocate(loader_for(Pairs(640), batch_size=16))
+        train(model, loader, make_optimizer(model, "sgd"), 2 if scenario == "emulated" else 5)
+        adaptive = model.allocator.adaptive
+        result = {"shares": model.shares, "restarts": adaptive.restarts, "replans": model.allocator.replans,
+                  "epochs": [vars(r) for r in model.epoch_reports], "speeds": model.emulation.speeds,
+                  "changes": [list(c) for c in model.emulation.speed_changes]}
+    elif scenario == "partial":
+        # Partial synchronization with a straggler: rounds weigh samples, replicas meet at every epoch's end.
+        straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=20.0)
+        for sync in (hetdp.Partial(mode="majority", sync_every=5), "solo", "local:3"):
+            model = hetdp.DDP(make_model(), "adaptive", sync, emulation=straggling)
+            loader = model.allocate(loader_for(Pairs(320), batch_size=8))
+            train(model, loader, make_optimizer(model, "adamw"), 3)
+            flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(model.world_size)]
+            dist.all_gather(gathered, flat)
+            result[model.sync.describe()] = {
+                "gap": max(float((g - flat).abs().max()) for g in gathered),
+                "samples": [r.samples for r in model.epoch_reports], "shares": model.shares,
+                "replans": model.allocator.replans, "dataset": len(loader.dataset)}
+            model.close()
+    elif scenario == "metrics":
+        csv = out / "metrics.csv"
+        model = hetdp.DDP(make_model(), hetdp.Static((1.0, 1.0, 2.0, 4.0)),
+                          metrics=hetdp.MetricsConfig(csv=csv, every=3))
+        loader = model.allocate(loader_for(Pairs(50), batch_size=4))
+        train(model, loader, make_optimizer(model, "sgd"), 2)
+        result = {"steps": 2 * len(loader), "figures": len(model.step_figures)}
+        model.close()
+    (out / f"{scenario}_{rank}.json").write_text(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    for scenario in args.scenarios.split(","):
+        run(scenario, args, dist.get_rank())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
