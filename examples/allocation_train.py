@@ -30,17 +30,14 @@ def main() -> None:
     model = ConvNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     config = hetdp.AllocationConfig(policy="adaptive", global_batch=128, micro_batch=16, replan_every=2)
-    trainer = hetdp.AllocatedTrainer(model, optimizer, split.train, config, emulation=hetdp.Emulation.from_env())
+    trainer = hetdp.AllocatedTrainer(model, optimizer, split.train, config)  # emulated by `hetdp run`, if asked
     if args.checkpoint:
-        try:
-            trainer.load_checkpoint(args.checkpoint)
-        except hetdp.CheckpointError:
-            pass  # no checkpoint yet: start from scratch
+        trainer.load_checkpoint(args.checkpoint, missing_ok=True)  # rank 0 reads; any other mismatch is an error
     with trainer:
         for epoch in range(trainer.start_epoch, args.epochs):
             report = trainer.train_epoch(epoch)
             if args.checkpoint:
-                trainer.save_checkpoint(args.checkpoint, next_epoch=epoch + 1)
+                trainer.save_checkpoint(args.checkpoint)
             if rank == 0:
                 print(f"epoch {epoch}: shares {report.shares}, epoch {report.epoch_s:.2f} s, "
                       f"compute {[round(s, 2) for s in report.compute_s]} s, "

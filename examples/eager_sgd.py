@@ -31,8 +31,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     args = parser.parse_args()
 
-    rank, world_size = hetdp.init_distributed()
-    emulation = hetdp.Emulation.from_env()  # the --stragglers of `hetdp run`, if any
+    rank, _ = hetdp.init_distributed()
     split = load_digits()
     sampler = DistributedSampler(split.train, seed=0, drop_last=True)  # the same number of steps on every rank
     loader = DataLoader(split.train, batch_size=args.batch, sampler=sampler, drop_last=True)
@@ -41,17 +40,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     partial = hetdp.PartialConfig(mode=args.mode, quorum=args.quorum, timeouts=hetdp.Timeouts(round_s=30.0))
 
-    step = 0
-    with hetdp.EagerSGD(optimizer, model, mode=partial) as eager:
+    with hetdp.EagerSGD(optimizer, model, mode=partial) as eager:  # the --stragglers of `hetdp run` apply by itself
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             started = time.perf_counter()
             for images, labels in loader:
-                time.sleep(emulation.straggler_delay_s(step, rank, world_size))
                 eager.zero_grad()
                 nn.functional.cross_entropy(model(images), labels).backward()
                 eager.step()
-                step += 1
             eager.flush()  # every rank has now applied the same rounds: a safe point to evaluate
             if rank == 0:
                 with torch.no_grad():

@@ -23,7 +23,7 @@ WEIGHTS = (1.0, 2.0, 3.0)
 def results(tmp_path_factory, torchrun):
     out = tmp_path_factory.mktemp("allocation")
     torchrun("allocation_worker.py", 3, "--out", out, timeout_s=240)
-    return out, json.loads((out / "results.json").read_text())
+    return out, json.loads((out / "results_0.json").read_text())
 
 
 def reference_parameters(size: int, shares: list[int], epochs: int = 1, wide: int = 0) -> dict[str, torch.Tensor]:
@@ -65,8 +65,17 @@ def test_unequal_shares_give_the_same_parameters_as_one_process(results, name, s
 
 
 def test_checkpoint_resume_reproduces_the_uninterrupted_run(results):
+    # Saved without naming the next epoch, read by rank 0 alone and broadcast: the resumed run is the straight one.
     out, _ = results
     assert_same_parameters(torch.load(out / "resumed.pt"), torch.load(out / "straight.pt"), atol=1e-6)
+
+
+def test_a_checkpoint_of_another_config_is_refused_on_every_rank_and_a_missing_one_can_be_optional(results):
+    out, _ = results
+    for rank in range(3):
+        figures = json.loads((out / f"results_{rank}.json").read_text())
+        assert "another config: seed differ" in figures["mismatch"]
+        assert figures["missing_ok"] == 0
 
 
 def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):

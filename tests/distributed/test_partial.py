@@ -130,6 +130,28 @@ def test_eager_replicas_stay_identical_under_random_delays(semantics, mode):
     assert {run["gradients"] for run in runs} == {sum(run["steps"] for run in runs)}  # every gradient, once
 
 
+def test_eager_starts_every_rank_from_rank_0s_parameters(semantics):
+    assert {rank["unit_world"]["start"] for rank in semantics} == {10.0}
+
+
+def test_eager_divides_each_round_by_the_world_or_by_its_gradients(semantics):
+    # Every gradient is 1. Divided by P, each is applied once, as 1/P: the parameter moves by the steps of one
+    # rank. Divided by the gradients a round holds, every applied round moves it by exactly 1.
+    for rank in semantics:
+        world, contributors = rank["unit_world"], rank["unit_contributors"]
+        assert world["moved"] == pytest.approx(world["steps"]) and world["gradients"] == WORLD * world["steps"]
+        assert contributors["moved"] == pytest.approx(contributors["applied"])
+    assert max(rank["unit_contributors"]["applied"] for rank in semantics) > semantics[0]["unit_world"]["steps"]
+
+
+def test_without_catch_up_replicas_drift_until_synchronized(semantics):
+    # Applying only a call's latest round (the paper's receive buffer), a lagging rank skips updates...
+    assert semantics[0]["unit_latest_only"]["divergence"] > 0
+    assert min(rank["unit_latest_only"]["moved"] for rank in semantics) < semantics[0]["unit_world"]["steps"]
+    # ...and averaging the parameters after every round (sync_every=1) brings them back together.
+    assert {rank["unit_latest_synced"]["divergence"] for rank in semantics} == {0.0}
+
+
 @pytest.mark.parametrize("mode", ["full", "solo"])
 def test_dead_peer_raises_on_every_survivor_naming_it(dead_peer, mode):
     for survivor in dead_peer:

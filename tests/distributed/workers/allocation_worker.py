@@ -13,7 +13,6 @@ from torch.utils.data import TensorDataset
 import hetdp
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
-
 WIDE = 800_000
 """Width of the ``many_buckets`` model: 8.8 M parameters, above DDP's 25 MB bucket cap."""
 
@@ -38,11 +37,13 @@ def train(config: AllocationConfig, size: int, epochs: range, *, emulation=None,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
     trainer = AllocatedTrainer(model, optimizer, make_dataset(size), config, emulation=emulation)
     if resume is not None:
-        assert trainer.load_checkpoint(resume) == epochs.start
+        # Only rank 0 has the file (no shared filesystem): it reads and broadcasts.
+        path = resume if torch.distributed.get_rank() == 0 else resume.with_name("only-on-rank-0.pt")
+        assert trainer.load_checkpoint(path) == epochs.start
     with trainer:
         reports = [trainer.train_epoch(epoch) for epoch in epochs]
         if save is not None:
-            trainer.save_checkpoint(save, next_epoch=epochs.stop)
+            trainer.save_checkpoint(save)  # resumes at the epoch after the last one trained
     return trainer, reports
 
 
@@ -78,6 +79,16 @@ def main() -> None:
     if rank == 0:
         torch.save(straight.model.module.state_dict(), out / "straight.pt")
         torch.save(resumed.model.module.state_dict(), out / "resumed.pt")
+    # A checkpoint of another config is refused on every rank; a missing one, asked for as optional, is a fresh start.
+    other = AllocationConfig(policy="static", weights=(3.0, 1.0, 2.0), global_batch=12, micro_batch=4, seed=6)
+    with AllocatedTrainer(make_model(0), torch.optim.SGD(make_model(0).parameters(), lr=0.1), make_dataset(40),
+                          other) as trainer:
+        try:
+            trainer.load_checkpoint(out / "ckpt.pt")
+            results["mismatch"] = None
+        except hetdp.CheckpointError as error:
+            results["mismatch"] = str(error)
+        results["missing_ok"] = trainer.load_checkpoint(out / "absent.pt", missing_ok=True)
 
     # Adaptive: emulated speeds 1, 2, 4 with a synthetic per-sample cost; re-plan every 2 steps.
     adaptive = AllocationConfig(policy="adaptive", global_batch=70, micro_batch=10, replan_every=2)
@@ -85,8 +96,7 @@ def main() -> None:
     _, reports = train(adaptive, 700, range(2), emulation=emulation)
     results["adaptive"] = {"shares": [r.shares for r in reports], "replans": [r.replans for r in reports],
                            "compute_s": [r.compute_s for r in reports], "wait_s": [r.wait_s for r in reports]}
-    if rank == 0:
-        (out / "results.json").write_text(json.dumps(results))
+    (out / f"results_{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -13,8 +14,8 @@ from torch.utils.data import TensorDataset
 
 import hetdp
 from hetdp.allocate.planner import evaluate
-from hetdp.train.distribute import distribute
 from hetdp.sync.averaging import average_parameters, merge_weights
+from hetdp.train.distribute import distribute
 
 SIZE = 47
 AVERAGING_COUNTS = (1, 2, 5)
@@ -75,7 +76,9 @@ def main() -> None:
     ]:
         model = make_model(0 if rank == 0 else 99)  # rank 0's initial model must reach everyone
         owned = training_set if rank == 0 or config.transport == "indices" else None
+        called = time.perf_counter()
         result = hetdp.train_cadp(model, make_optimizer(model), owned, cluster, config, plan=given)
+        wall_s = time.perf_counter() - called
         torch.save(model.state_dict(), out / f"{name}_{rank}.pt")
         report[name] = {
             "samples": result.samples,
@@ -83,6 +86,7 @@ def main() -> None:
             "batch_sizes": result.plan.batch_sizes,
             "send_s": result.send_s,
             "train_s": result.train_s,
+            "wall_s": wall_s,
             "epochs": len(result.epochs),
         }
 

@@ -133,6 +133,25 @@ def eager_divergence(rank: int, mode: str, steps: int = 30) -> dict:
             "gradients": eager.gradients, "steps": steps}
 
 
+def unit_gradient_run(rank: int, *, divide_by: str, catch_up: bool, sync_every: int, steps: int = 20) -> dict:
+    """One scalar parameter whose every gradient is 1, under solo rounds with rank-dependent delays: how far it moved
+    tells how rounds were divided and applied. Ranks start from different values; construction must align them."""
+    weight = nn.Parameter(torch.full((1,), 10.0 + rank, dtype=torch.float64))
+    model = nn.Module()
+    model.weight = weight
+    eager = hetdp.EagerSGD(torch.optim.SGD([weight], lr=1.0), model, mode="solo", divide_by=divide_by,
+                           catch_up=catch_up, sync_every=sync_every)
+    start = float(weight)
+    for _ in range(steps):
+        time.sleep(0.004 * rank)  # rank 3 lags most: it misses rounds
+        eager.zero_grad()
+        weight.sum().backward()
+        eager.step()
+    eager.close()
+    return {"start": start, "moved": start - float(weight), "applied": eager.applied, "steps": steps,
+            "divergence": eager.divergence(), "gradients": eager.gradients}
+
+
 def semantics(rank: int, world_size: int) -> dict:
     record: dict = {"solo_controlled": controlled_solo(rank, world_size),
                     "quorum_controlled": controlled_quorum(rank, world_size, k=3)}
@@ -143,6 +162,10 @@ def semantics(rank: int, world_size: int) -> dict:
     record["eager_full_equals_sync"] = eager_matches_sync(rank, pairs[rank // 2])
     record["eager_solo"] = eager_divergence(rank, "solo")
     record["eager_majority"] = eager_divergence(rank, "majority")
+    record["unit_world"] = unit_gradient_run(rank, divide_by="world", catch_up=True, sync_every=0)
+    record["unit_contributors"] = unit_gradient_run(rank, divide_by="contributors", catch_up=True, sync_every=0)
+    record["unit_latest_only"] = unit_gradient_run(rank, divide_by="world", catch_up=False, sync_every=0)
+    record["unit_latest_synced"] = unit_gradient_run(rank, divide_by="world", catch_up=False, sync_every=1)
     return record
 
 

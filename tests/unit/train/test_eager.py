@@ -41,7 +41,8 @@ def test_alone_it_is_exactly_the_wrapped_optimizer(one_rank, mode):
     assert eager.divergence() == 0.0
 
 
-def test_sync_every_averages_at_round_boundaries_and_divide_by_contributors_is_accepted(one_rank):
+def test_sync_every_counts_round_boundaries(one_rank):
+    # What averaging does is checked on several ranks (tests/distributed/test_partial.py); alone, only when.
     model = _model()
     eager = EagerSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=PartialConfig(mode="quorum", quorum=1),
                      sync_every=3, divide_by="contributors")

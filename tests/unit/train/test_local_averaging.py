@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetdp.errors import ConfigError
-from hetdp.train import local
 from hetdp.sync.averaging import merge_weights
+from hetdp.train import local
 from hetdp.train.local import Pace, epoch_order, weighted_average
 
 
