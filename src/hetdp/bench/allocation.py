@@ -32,6 +32,7 @@ from hetdp.launch import run_local
 from hetdp.models import ConvNet
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
+from hetdp.train import ddp as hetdp_ddp
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, accuracy
 
 DEFAULT_SPEEDS = "1,1,2,4"
@@ -253,40 +254,37 @@ def _train_policy(
 
 
 def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: tqdm) -> dict[str, list[float]]:
-    """Alternate epochs of plain DDP and of adaptive allocation on equal (unemulated) speeds."""
+    """Alternate epochs of plain DDP and of the drop-in (adaptive allocation) on equal, unemulated speeds.
+
+    Both iterate the same DataLoader settings (per-rank batches of global_batch / N, one item at a time through
+    the default collate) with the same loop body, so the difference is hetdp's own: its comm hook, its step
+    bookkeeping and its re-plans.
+    """
     world_size = dist.get_world_size()
-    plain_model = DistributedDataParallel(_new_model(args.seed, split))
-    plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = DistributedSampler(split.train, seed=args.seed)
-    loader = DataLoader(split.train, batch_size=args.global_batch // world_size, sampler=sampler)
-    ours_model = _new_model(args.seed, split)
-    ours = AllocatedTrainer(
-        ours_model,
-        torch.optim.SGD(ours_model.parameters(), lr=args.lr, momentum=0.9),
-        split.train,
-        AllocationConfig(policy="adaptive", global_batch=args.global_batch, micro_batch=args.global_batch,
-                         replan_every=args.replan_every, seed=args.seed),
-    )
-    plain_s, ours_s = [], []
+    batch_size = args.global_batch // world_size
+
+    def loader() -> DataLoader:
+        return DataLoader(split.train, batch_size=batch_size, sampler=DistributedSampler(split.train, seed=args.seed))
+
+    plain = DistributedDataParallel(_new_model(args.seed, split))
+    ours = hetdp_ddp.DistributedDataParallel(_new_model(args.seed, split), "adaptive", emulation=Emulation())
+    runs = [(plain, loader()), (ours, ours.allocate(loader()))]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) for model, _ in runs]
+    seconds: list[list[float]] = [[], []]
     for epoch in range(args.homogeneous_epochs):
-        dist.barrier()
-        started = time.perf_counter()
-        sampler.set_epoch(epoch)
-        for inputs, targets in loader:
-            plain_optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(plain_model(inputs), targets).backward()
-            plain_optimizer.step()
-        dist.barrier()
-        plain_s.append(time.perf_counter() - started)
-        progress.update()
-        dist.barrier()
-        started = time.perf_counter()
-        ours.train_epoch(epoch)
-        dist.barrier()
-        ours_s.append(time.perf_counter() - started)
-        progress.update()
+        for (model, data), optimizer, times in zip(runs, optimizers, seconds):
+            dist.barrier()
+            started = time.perf_counter()
+            data.sampler.set_epoch(epoch)
+            for inputs, targets in data:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+                optimizer.step()
+            dist.barrier()
+            times.append(time.perf_counter() - started)
+            progress.update()
     ours.close()
-    return {"plain_ddp_epoch_s": plain_s, "adaptive_epoch_s": ours_s}
+    return {"plain_ddp_epoch_s": seconds[0], "adaptive_epoch_s": seconds[1]}
 
 
 if __name__ == "__main__":
