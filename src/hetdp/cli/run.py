@@ -68,4 +68,4 @@ def run(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script not found: {script}")
-    return run_local(script, args.nproc, args.script_args, env=emulation.to_env()).returncode
+    return run_local(script, args.nproc, args.script_args, env=emulation.to_env(), report_errors=True).returncode

@@ -1,0 +1,68 @@
+"""Launched workers report back: rank 0's events reach the launcher as they come, and a HetDPError ends the
+launch in one line (exit code 2) instead of a traceback per rank."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hetdp.errors import HetDPError
+from hetdp.launch import run_local
+
+EVENTS_SCRIPT = """
+    import sys
+    import sibling                                   # a module beside the script: sys.path[0] is its folder
+
+    from hetdp.launch import EventWriter
+    import os
+
+    assert __name__ == "__main__"
+    writer = EventWriter(enabled=os.environ["RANK"] == "0")
+    for step in range(int(sys.argv[1])):
+        writer.update(row={"step": step, "word": sibling.WORD})
+    writer.update(2)
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    def write(body: str, name: str = "train.py"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(body))
+        return path
+
+    return write
+
+
+def test_rank_0_events_reach_the_launcher_in_order(script):
+    script("WORD = 'beside'\n", name="sibling.py")
+    seen = []
+    completed = run_local(script(EVENTS_SCRIPT), 2, ["3"], follow=seen.extend, report_errors=True, capture=True,
+                          timeout_s=120)
+    assert completed.returncode == 0, completed.stdout
+    assert seen == [{"advance": 1, "row": {"step": step, "word": "beside"}} for step in range(3)] + [{"advance": 2}]
+
+
+def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
+    path = script("import hetdp\nraise hetdp.ConfigError('batch_size must be >= 1, got 0')\n")
+    with pytest.raises(HetDPError, match=r"^batch_size must be >= 1, got 0 \(ranks 0, 1\)$"):
+        run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+
+
+def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script):
+    path = script("import hetdp\nraise hetdp.ConfigError('the cluster has 4 devices but the group has 2 ranks')\n")
+    completed = subprocess.run([sys.executable, "-m", "hetdp.cli", "run", "-n", "2", str(path)],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr + completed.stdout
+    assert completed.stderr.splitlines()[-1] == (
+        "hetdp run: error: the cluster has 4 devices but the group has 2 ranks (ranks 0, 1)"
+    )
+
+
+def test_a_bug_in_a_worker_keeps_its_traceback(script):
+    path = script("raise RuntimeError('a bug')\n")
+    completed = run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+    assert completed.returncode != 0
+    assert "Traceback" in completed.stdout and "RuntimeError: a bug" in completed.stdout
