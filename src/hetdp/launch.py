@@ -144,13 +144,15 @@ def _wait(
 class EventWriter:
     """A worker's end of the event log: one JSON object per line, flushed at once so the launcher sees it.
 
-    A no-op when the launch does not follow events or ``enabled`` is false (give
-    ``enabled=rank == 0`` so that one rank speaks for the group).
+    Creating it tells the launcher that the workers are up (an event that advances
+    nothing). A no-op when the launch does not follow events or ``enabled`` is
+    false (give ``enabled=rank == 0`` so that one rank speaks for the group).
     """
 
     def __init__(self, enabled: bool = True) -> None:
         path = os.environ.get(ENV_EVENTS)
         self._path = Path(path) if enabled and path else None
+        self.update(0)
 
     def write(self, event: Event) -> None:
         if self._path is not None:

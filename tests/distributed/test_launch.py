@@ -4,6 +4,7 @@ launch in one line (exit code 2) instead of a traceback per rank."""
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,33 @@ def test_rank_0_events_reach_the_launcher_in_order(script):
     completed = run_local(script(EVENTS_SCRIPT), 2, ["3"], follow=seen.extend, report_errors=True, capture=True,
                           timeout_s=120)
     assert completed.returncode == 0, completed.stdout
-    assert seen == [{"advance": 1, "row": {"step": step, "word": "beside"}} for step in range(3)] + [{"advance": 2}]
+    rows = [{"advance": 1, "row": {"step": step, "word": "beside"}} for step in range(3)]
+    assert seen == [{"advance": 0}, *rows, {"advance": 2}]  # the first says the workers are up
+
+
+HANDSHAKE_SCRIPT = """
+    import os, sys, time
+    from pathlib import Path
+    from hetdp.launch import EventWriter
+
+    if os.environ["RANK"] == "0":
+        EventWriter().update(row={"go": sys.argv[1]})
+        deadline = time.monotonic() + 60
+        while not Path(sys.argv[1]).exists():    # the launcher answers the row while this rank still runs
+            if time.monotonic() > deadline:
+                sys.exit("no answer from the launcher")
+            time.sleep(0.05)
+"""
+
+
+def test_events_reach_the_launcher_while_the_workers_run(script, tmp_path):
+    def answer(events):
+        for event in events:
+            if "row" in event:
+                Path(event["row"]["go"]).touch()
+
+    completed = run_local(script(HANDSHAKE_SCRIPT), 2, [tmp_path / "go"], follow=answer, capture=True, timeout_s=120)
+    assert completed.returncode == 0, completed.stdout
 
 
 def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
