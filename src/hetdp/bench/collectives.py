@@ -46,10 +46,11 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", help="process counts, one launch each (default 16,32; --quick: 8, since "
-                        "starting 16-32 processes that import torch takes minutes on 2 cores)")
-    parser.add_argument("--skew-ms", type=float, default=5.0, help="rank r sleeps r times this before each call")
-    parser.add_argument("--iterations", type=int, help="measured calls per mode (default 64, quick 24)")
+    parser.add_argument("--nproc", metavar="P1,P2,...", help="process counts, one launch each (default 16,32; "
+                        "--quick: 8, since starting 16-32 processes that import torch takes minutes on 2 cores)")
+    parser.add_argument("--skew-ms", type=float, default=5.0, metavar="MS",
+                        help="rank r sleeps r times MS milliseconds before each call (default 5)")
+    parser.add_argument("--iterations", type=int, metavar="N", help="measured calls per mode (default 64, quick 24)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
