@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from matplotlib.figure import Figure
 from tqdm import tqdm
@@ -102,7 +102,7 @@ class LaunchProgress:
     def close(self) -> None:
         self._bar.close()
 
-    def __enter__(self) -> LaunchProgress:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -111,8 +111,8 @@ def render(result: dict[str, Any]) -> str:
     paper = result["paper"]
     return "\n".join([
         format_table(rows, title=title),
-        "latency: one call, mean over ranks and calls; speedup: all_reduce's latency / this mode's; NAP: number of "
-        "active processes, the ranks whose fresh data a round holds (mean over rounds; all_reduce: every rank)",
+        ("latency: one call, mean over ranks and calls; speedup: all_reduce's latency / this mode's; NAP: number of "
+         "active processes, the ranks whose fresh data a round holds (mean over rounds; all_reduce: every rank)"),
         f"paper (P={paper['P']}, 1 ms skew): solo {paper['speedup_solo']}x, majority {paper['speedup_majority']}x",
     ])
 

@@ -12,7 +12,6 @@ from hetdp.cli import require_command
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
 
-
 COMMON_FLAGS = (
     "Every benchmark takes --quick (a run of under two minutes on 2 cores), --json PATH (write its figures as "
     "one JSON object to PATH) and --seed N (seed of every random choice, default 0), after its NAME: "

@@ -168,13 +168,13 @@ def render(cluster: SimulatedCluster, global_batch: int, results: list[Simulatio
     return "\n".join([
         format_table(rows, title=title),
         COLUMNS,
-        f"ideal allocation speedup {ideal_speedup(cluster):.2f} = sum of speeds / (N x slowest), compute alone. "
-        "What allocation cannot win back, per step:",
+        (f"ideal allocation speedup {ideal_speedup(cluster):.2f} = sum of speeds / (N x slowest), compute alone. "
+         "What allocation cannot win back, per step:"),
         f"  compute {global_batch / sum(cluster.speeds):.3g} s at a perfect allocation;",
-        f"  stragglers {cluster.straggler_delay_s:g} s in {100 * straggled:.0f}% of steps "
-        f"(1 - (1 - {cluster.straggler_probability:g})^{cluster.size}: a synchronous step waits for its slowest);"
-        if straggled > 0 else "  stragglers: none;",
-        f"  allreduce {cost.total_s:.3g} s = latency {cost.latency_s:.3g} s (2(N-1) = {cost.hops} hops x "
-        f"{cluster.latency_s * 1e6:g} us) + transfer {cost.transfer_s:.3g} s (2(N-1)/N x {cluster.model_mb:g} MB at "
-        f"{cluster.bandwidth_gbps:g} Gb/s).",
+        (f"  stragglers {cluster.straggler_delay_s:g} s in {100 * straggled:.0f}% of steps "
+         f"(1 - (1 - {cluster.straggler_probability:g})^{cluster.size}: a synchronous step waits for its slowest);"
+         if straggled > 0 else "  stragglers: none;"),
+        (f"  allreduce {cost.total_s:.3g} s = latency {cost.latency_s:.3g} s (2(N-1) = {cost.hops} hops x "
+         f"{cluster.latency_s * 1e6:g} us) + transfer {cost.transfer_s:.3g} s (2(N-1)/N x {cluster.model_mb:g} MB at "
+         f"{cluster.bandwidth_gbps:g} Gb/s)."),
     ])
