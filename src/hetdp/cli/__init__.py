@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.metadata
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args) or 0
+    except BrokenPipeError:  # the reader left (`hetdp plan ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 1
     except HetDPError as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         command = " ".join(name for name in (args.command, getattr(args, "benchmark", None)) if name)
