@@ -55,9 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = parse_nproc(args.nproc or ("8" if args.quick else "16,32"))
-    iterations = args.iterations or (24 if args.quick else 64)
-    if iterations < 1 or not args.skew_ms >= 0:
-        raise ConfigError(f"--iterations must be >= 1 and --skew-ms >= 0, got {iterations} and {args.skew_ms}")
+    iterations = args.iterations if args.iterations is not None else (24 if args.quick else 64)
+    if iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1, got {iterations}")
+    if not args.skew_ms >= 0:
+        raise ConfigError(f"--skew-ms must be >= 0, got {args.skew_ms}")
     runs = [summarize(launch(nproc, args.skew_ms, iterations, args.seed)) for nproc in counts]
     return {**runs[0], "runs": runs, "paper": PAPER}
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from hetdp.bench.allocation import add_dataset_arguments, run_experiment, steady_epoch_s
-from hetdp.cluster.emulate import parse_speeds
+from hetdp.cluster.emulate import Emulation, parse_speeds
+from hetdp.datasets import load_dataset
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
 from hetdp.report import StreamingTable, print_above_progress, write_allocation_plots
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--epochs must be >= 2, got {args.epochs}")
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out must be a folder, got the file {args.out}")
+    Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms)  # bad settings fail before anything is printed
+    load_dataset(args.dataset, args.data_root)
     print(f"training on {len(speeds)} local workers at speeds {list(speeds)}: equal allocation, then adaptive")
     print(LEGEND, flush=True)
     policies = ("equal", "adaptive")

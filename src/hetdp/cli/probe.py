@@ -33,18 +33,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
     parser.add_argument("--speeds", metavar="V1,V2,...", help="emulated relative speed of each rank, e.g. 4,4,1,1")
     parser.add_argument(
-        "--sample-cost-ms", type=float, default=0.0, metavar="MS", help="synthetic cost of one sample at speed 1"
+        "--sample-cost-ms", type=float, default=0.0, metavar="MS",
+        help="synthetic cost of one sample at speed 1 (default 0: stretch measured time by --speeds instead)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size to time (default 32)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B", help="batch size to time (default 32)")
     parser.add_argument(
         "--bandwidths-mbps", metavar="B0,B1,...", help="emulated link of each rank from rank 0, Mb/s (rank 0's: inf)"
     )
     parser.add_argument("--latencies-ms", metavar="L0,L1,...", help="emulated one-way latency of each link, ms")
-    parser.add_argument("--sample-bytes", type=float, help="b to write (default: the bytes of one real sample)")
+    parser.add_argument("--sample-bytes", type=float, metavar="BYTES",
+                        help="b, bytes per sample on the wire, to write (default: the bytes of one real sample)")
     parser.add_argument("--dataset-size", type=positive_int, metavar="D",
                         help="samples `hetdp plan` distributes by default (default: the digits training set it times)")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed batches and round trips (default 5)")
-    parser.add_argument("--out", default="cluster.toml", help="cluster file to write (default cluster.toml)")
+    parser.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                        help="timed batches and round trips (default 5)")
+    parser.add_argument("--out", default="cluster.toml", metavar="PATH", help="cluster file to write (default cluster.toml)")
     parser.set_defaults(handler=run)
 
 
