@@ -42,10 +42,10 @@ def torchrun_command(
     With ``report_errors``, torchrun and every worker run under this module, which turns a worker's
     HetDPError into a report in ``$HETDP_ERRORS`` (see :func:`run_local`).
     """
-    runner = ["-m", __name__, "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
+    runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
     command = [sys.executable, *runner, "--standalone", f"--nproc-per-node={nproc}"]
     if report_errors:
-        command += ["-m", __name__, "worker"]
+        command += ["-m", "hetdp.launch", "worker"]
     command += ["-m", str(target)] if module else [str(target)]
     return command + [str(arg) for arg in args]
 
@@ -74,14 +74,15 @@ def run_local(
         follow: called every ``POLL_S`` seconds with the events rank 0 wrote since the last call
             (often none, so it can redraw a progress bar), and once more at the end.
         report_errors: a worker that raises a HetDPError exits with code 2 and no traceback,
-            and this call raises it again here, as one line.
+            and this call raises a HetDPError with its message instead.
 
     Raises:
         HetDPError: the workers were still running after ``timeout_s`` seconds, or (with
             ``report_errors``) one of them raised a HetDPError; its message and rank.
     """
     with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
-        full_env = {**os.environ, **(env or {})}
+        full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
+        full_env.update(env or {})  # a launch from inside a worker reports to its own launcher, not to ours
         full_env.setdefault("OMP_NUM_THREADS", "1")
         events = EventReader(Path(folder) / "events.jsonl")
         errors = Path(folder) / "errors"
@@ -239,5 +240,5 @@ def _torchrun(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in ("torchrun", "worker"):
-        sys.exit(f"usage: python -m {__spec__.name} torchrun|worker ... (started by hetdp.launch.run_local)")
+        sys.exit("usage: python -m hetdp.launch torchrun|worker ... (started by hetdp.launch.run_local)")
     (_torchrun if sys.argv[1] == "torchrun" else _worker)(sys.argv[2:])
