@@ -1,6 +1,7 @@
 """Launched workers report back: rank 0's events reach the launcher as they come, and a HetDPError ends the
 launch in one line (exit code 2) instead of a traceback per rank."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,7 +74,8 @@ def test_events_reach_the_launcher_while_the_workers_run(script, tmp_path):
 
 def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
     path = script("import hetdp\nraise hetdp.ConfigError('batch_size must be >= 1, got 0')\n")
-    with pytest.raises(HetDPError, match=r"^batch_size must be >= 1, got 0 \(ranks 0, 1\)$"):
+    # torchrun stops the other rank once one failed: it may or may not have reported the error too
+    with pytest.raises(HetDPError, match=r"^batch_size must be >= 1, got 0 \((rank 0|rank 1|ranks 0, 1)\)$"):
         run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
 
 
@@ -83,9 +85,8 @@ def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script):
                                capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr + completed.stdout
-    assert completed.stderr.splitlines()[-1] == (
-        "hetdp run: error: the cluster has 4 devices but the group has 2 ranks (ranks 0, 1)"
-    )
+    assert re.fullmatch(r"hetdp run: error: the cluster has 4 devices but the group has 2 ranks "
+                        r"\((rank 0|rank 1|ranks 0, 1)\)", completed.stderr.splitlines()[-1])
 
 
 def test_a_bug_in_a_worker_keeps_its_traceback(script):
