@@ -41,6 +41,7 @@ def _missing(parser: argparse.ArgumentParser, metavar: str, subparsers: argparse
 
 
 def version() -> str:
+    """The installed package's version, for `hetdp --version`."""
     try:
         return importlib.metadata.version("hetdp")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
