@@ -6,6 +6,12 @@
 ``--stragglers 1:200`` makes one random rank sleep 200 ms at every step (the
 same draw on every rank); compare the epoch times of ``--mode full`` (plain
 synchronous SGD) with ``solo`` and ``majority``.
+
+Expect more rounds than steps: a round runs as soon as its mode allows (in
+majority, when its initiator arrives), so ranks that are out of step with each
+other each start rounds of their own, and every ``flush()`` adds one. No
+gradient is lost or counted twice: each lands in exactly one round, so the
+rounds hold steps x ranks gradients in all.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     args = parser.parse_args()
 
-    rank, _ = hetdp.init_distributed()
+    rank, world_size = hetdp.init_distributed()
     split = load_digits()
     sampler = DistributedSampler(split.train, seed=0, drop_last=True)  # the same number of steps on every rank
     loader = DataLoader(split.train, batch_size=args.batch, sampler=sampler, drop_last=True)
@@ -53,11 +59,13 @@ def main() -> None:
                 with torch.no_grad():
                     images, labels = split.test.tensors
                     accuracy = (model(images).argmax(1) == labels).float().mean().item()
-                print(f"epoch {epoch}: {time.perf_counter() - started:.2f} s, {eager.rounds} rounds so far, "
-                      f"test accuracy {accuracy:.3f}", flush=True)
+                print(f"epoch {epoch}: {time.perf_counter() - started:.2f} s, {eager.steps} steps and "
+                      f"{eager.rounds} rounds so far, test accuracy {accuracy:.3f}", flush=True)
     gap = eager.divergence()
     if rank == 0:
-        print(f"{args.mode}: {eager.steps} steps, {eager.rounds} rounds; "
+        print(f"{args.mode}: {eager.steps} steps per rank; {eager.rounds} rounds held {eager.gradients} gradients "
+              f"({eager.steps} steps x {world_size} ranks, each in one round; a round runs without waiting for the "
+              f"ranks that are out of step, so there are more rounds than steps); "
               f"largest parameter gap between replicas {gap:g}")
     dist.destroy_process_group()
 

@@ -1,20 +1,51 @@
-"""Start N local worker processes through torch.distributed.run, the way users launch."""
+"""Start N local worker processes through torch.distributed.run, the way users launch, and hear back from them.
+
+A launch can follow an event log that rank 0 appends to (progress and measured
+rows, shown as they come), and can take a worker's ``HetDPError`` home: the
+worker leaves its message in a folder instead of a traceback, and the launch
+ends in that one line instead of one traceback per rank under torchrun's summary.
+Both travel through environment variables, so the workers start exactly as
+under torchrun.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from hetdp.errors import HetDPError
 
+ENV_EVENTS = "HETDP_EVENTS"
+"""Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
+ENV_ERRORS = "HETDP_ERRORS"
+"""Folder where a worker leaves the message of the HetDPError it stopped on (set only with ``report_errors``)."""
+POLL_S = 0.2
+"""Seconds between two looks at the workers and their event log."""
 
-def torchrun_command(target: str | Path, nproc: int, args: Sequence[str] = (), *, module: bool = False) -> list[str]:
-    """The command line that runs ``target`` (a script, or a module if ``module``) on ``nproc`` local ranks."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+Event = dict[str, Any]
+
+
+def torchrun_command(
+    target: str | Path, nproc: int, args: Sequence[str] = (), *, module: bool = False, report_errors: bool = False
+) -> list[str]:
+    """The command line that runs ``target`` (a script, or a module if ``module``) on ``nproc`` local ranks.
+
+    With ``report_errors``, torchrun and every worker run under this module, which turns a worker's
+    HetDPError into a report in ``$HETDP_ERRORS`` (see :func:`run_local`).
+    """
+    runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
+    command = [sys.executable, *runner, "--standalone", f"--nproc-per-node={nproc}"]
+    if report_errors:
+        command += ["-m", "hetdp.launch", "worker"]
     command += ["-m", str(target)] if module else [str(target)]
     return command + [str(arg) for arg in args]
 
@@ -28,31 +59,186 @@ def run_local(
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
     capture: bool = False,
+    follow: Callable[[list[Event]], None] | None = None,
+    report_errors: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``target`` on ``nproc`` local ranks and wait; kill the whole process group past ``timeout_s``.
 
+    Args:
+        target: a script path, or a module name with ``module=True``.
+        nproc: local ranks to start.
+        args: the target's command-line arguments.
+        env: variables added to this process's environment.
+        timeout_s: seconds the launch may take (None: no limit).
+        capture: return stdout and stderr together as ``stdout`` instead of passing them through.
+        follow: called every ``POLL_S`` seconds with the events rank 0 wrote since the last call
+            (often none, so it can redraw a progress bar), and once more at the end.
+        report_errors: a worker that raises a HetDPError exits with code 2 and no traceback,
+            and this call raises a HetDPError with its message instead.
+
     Raises:
-        HetDPError: the workers were still running after ``timeout_s`` seconds.
+        HetDPError: the workers were still running after ``timeout_s`` seconds, or (with
+            ``report_errors``) one of them raised a HetDPError; its message and rank.
     """
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    command = torchrun_command(target, nproc, args, module=module)
+    with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
+        full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
+        full_env.update(env or {})  # a launch from inside a worker reports to its own launcher, not to ours
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        events = EventReader(Path(folder) / "events.jsonl")
+        errors = Path(folder) / "errors"
+        if follow is not None:
+            full_env[ENV_EVENTS] = str(events.path)
+        if report_errors:
+            errors.mkdir()
+            full_env[ENV_ERRORS] = str(errors)
+        command = torchrun_command(target, nproc, args, module=module, report_errors=report_errors)
+        poll = (lambda: follow(events.read())) if follow is not None else (lambda: None)
+        completed = _wait(command, full_env, timeout_s, capture, poll, f"{target} on {nproc} ranks")
+        if completed.returncode != 0 and report_errors:
+            message = worker_error(errors)
+            if message is not None:
+                raise HetDPError(message)
+        return completed
+
+
+def _wait(
+    command: list[str],
+    env: dict[str, str],
+    timeout_s: float | None,
+    capture: bool,
+    poll: Callable[[], None],
+    what: str,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in a session of its own, calling ``poll`` every POLL_S seconds and once at the end."""
     process = subprocess.Popen(
         command,
-        env=full_env,
+        env=env,
         stdout=subprocess.PIPE if capture else None,
         stderr=subprocess.STDOUT if capture else None,
         text=True,
         start_new_session=True,
     )
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as error:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise HetDPError(f"{target} on {nproc} ranks still running after {timeout_s} s; killed\n{output or ''}") from error
+        while True:
+            try:
+                output, _ = process.communicate(timeout=POLL_S)  # retried, it loses no output
+                break
+            except subprocess.TimeoutExpired:
+                poll()
+                if deadline_s is not None and time.monotonic() > deadline_s:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    output, _ = process.communicate()
+                    raise HetDPError(f"{what} still running after {timeout_s} s; killed\n{output or ''}") from None
+        poll()
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         raise
     return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+
+# --- the workers' side ------------------------------------------------------------------------------------------
+
+
+class EventWriter:
+    """A worker's end of the event log: one JSON object per line, flushed at once so the launcher sees it.
+
+    Creating it tells the launcher that the workers are up (an event that advances
+    nothing). A no-op when the launch does not follow events or ``enabled`` is
+    false (give ``enabled=rank == 0`` so that one rank speaks for the group).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        path = os.environ.get(ENV_EVENTS)
+        self._path = Path(path) if enabled and path else None
+        self.update(0)
+
+    def write(self, event: Event) -> None:
+        if self._path is not None:
+            with self._path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(event) + "\n")
+
+    def update(self, n: int = 1, *, row: Event | None = None) -> None:
+        """Advance the launcher's progress bar by ``n``; with ``row``, also print that measured row."""
+        self.write({"advance": n, **({"row": row} if row is not None else {})})
+
+
+class EventReader:
+    """The launcher's end of the event log: the complete lines written since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read(self) -> list[Event]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def report_error(error: HetDPError) -> bool:
+    """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
+    folder = os.environ.get(ENV_ERRORS)
+    if not folder:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    report = {"rank": rank, "message": text, "time": time.time()}
+    temporary = Path(folder) / f".rank-{rank}.tmp"
+    temporary.write_text(json.dumps(report), encoding="utf-8")
+    temporary.replace(Path(folder) / f"rank-{rank}.json")  # whole or absent, never half-written
+    return True
+
+
+def worker_error(folder: Path) -> str | None:
+    """The first worker error reported in ``folder``, with the ranks that reported it; None if there is none."""
+    reports = sorted((json.loads(path.read_text()) for path in folder.glob("rank-*.json")), key=lambda r: r["time"])
+    if not reports:
+        return None
+    message = reports[0]["message"]
+    ranks = sorted(report["rank"] for report in reports if report["message"] == message)
+    return f"{message} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+
+
+def _worker(argv: list[str]) -> None:
+    """Run a script (``PATH ARGS``) or a module (``-m NAME ARGS``) as ``python`` would, reporting a HetDPError."""
+    module = argv[0] == "-m"
+    target, rest = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    sys.argv = [target, *rest]
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = str(Path(target).resolve().parent)  # as `python script.py` sets it
+            runpy.run_path(target, run_name="__main__")
+    except HetDPError as error:
+        if not report_error(error):
+            raise
+        sys.exit(2)
+
+
+def _torchrun(argv: list[str]) -> None:
+    """torchrun, minus its failure summary when a worker reported a HetDPError: the launcher prints that instead."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except ChildFailedError:
+        if not any(Path(os.environ[ENV_ERRORS]).glob("rank-*.json")):
+            raise
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("torchrun", "worker"):
+        sys.exit("usage: python -m hetdp.launch torchrun|worker ... (started by hetdp.launch.run_local)")
+    (_torchrun if sys.argv[1] == "torchrun" else _worker)(sys.argv[2:])

@@ -6,6 +6,7 @@ import math
 
 import hetdp
 from hetdp.cli import main
+from hetdp.datasets import load_digits
 from hetdp.models import ConvNet
 
 CONVNET_ACTIVATION_MB_PER_SAMPLE = 14120 / 1e6  # see tests/unit/cluster/test_probe.py
@@ -30,3 +31,7 @@ def test_probe_writes_a_valid_cluster_file_that_from_toml_loads_and_plans(tmp_pa
     assert cluster.model_bytes == sum(p.numel() * 4 for p in ConvNet().parameters())
     assert hetdp.ClusterSpec.from_toml(out) == cluster
     assert sum(hetdp.plan(cluster, 1000, epochs=3).samples) == 1000
+    assert cluster.dataset_size == len(load_digits().train)  # the data it timed: `hetdp plan` needs no flag
+    capsys.readouterr()
+    assert main(["plan", str(out)]) == 0
+    assert f"{cluster.dataset_size} samples" in capsys.readouterr().out

@@ -66,3 +66,16 @@ def test_missing_file_from_the_real_command_exits_2_without_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "cannot read cluster file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_every_bad_field_is_reported_in_one_line(tmp_path, capsys):
+    path = tmp_path / "cluster.toml"
+    path.write_text("sample_bytes = 1\nmodel_bytes = 1\ndataset_size = 10\n"
+                    "[[devices]]\nname = 'a'\nbatch_size = 0\nbatch_time_s = 1.0\nbandwidth_mbps = 5\n"
+                    "[[devices]]\nname = 'b'\nbatch_size = 4\nbatch_time_s = -1.0\nbandwidth_mbps = -5\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    for problem in ("device 'a': batch_size must be >= 1, got 0", "device 'b': batch_time_s must be > 0, got -1.0",
+                    "device 'b': bandwidth_mbps must be > 0, got -5"):
+        assert problem in err

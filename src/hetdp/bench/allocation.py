@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import DATASETS, Split, load_dataset
 from hetdp.errors import ConfigError, HetDPError
-from hetdp.launch import run_local
+from hetdp.launch import EventWriter, run_local
 from hetdp.models import ConvNet
-from hetdp.report import format_table
+from hetdp.report import LaunchProgress, format_table
 from hetdp.runtime import init_distributed
 from hetdp.train import ddp as hetdp_ddp
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, accuracy
@@ -79,10 +79,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_experiment(speeds: tuple[float, ...], *, policies: tuple[str, ...], epochs: int, sample_cost_ms: float,
                    global_batch: int, micro_batch: int, replan_every: int, homogeneous_epochs: int = 0,
-                   seed: int = 0, lr: float = 0.05, dataset: str = "digits",
-                   data_root: Path | None = None) -> dict[str, Any]:
-    """Launch the worker on ``len(speeds)`` local ranks and return what rank 0 recorded."""
-    load_dataset(dataset, data_root)  # a bad name or folder fails here, once, not on every rank
+                   seed: int = 0, lr: float = 0.05, dataset: str = "digits", data_root: Path | None = None,
+                   on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Launch the worker on ``len(speeds)`` local ranks and return what rank 0 recorded.
+
+    ``on_row`` receives each epoch's row as soon as rank 0 measured it, while a progress bar runs.
+    """
+    load_dataset(dataset, data_root)  # a bad name, folder or setting fails here, once, not on every rank
+    Emulation(speeds=speeds, sample_cost_ms=sample_cost_ms)
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "allocation-raw.json"
         args = [
@@ -92,7 +96,10 @@ def run_experiment(speeds: tuple[float, ...], *, policies: tuple[str, ...], epoc
             "--seed", seed, "--lr", lr, "--dataset", dataset,
         ]
         args += ["--data-root", data_root] if data_root else []
-        completed = run_local("hetdp.bench.allocation", len(speeds), args, module=True)
+        epochs_in_all = len(policies) * epochs + 2 * homogeneous_epochs
+        with LaunchProgress(epochs_in_all, "epochs", nproc=len(speeds), unit="epoch", on_row=on_row) as progress:
+            completed = run_local("hetdp.bench.allocation", len(speeds), args, module=True, follow=progress,
+                                  report_errors=True)
         if completed.returncode != 0 or not result_path.is_file():
             raise HetDPError(f"allocation workers failed (exit code {completed.returncode}); see their output above")
         return json.loads(result_path.read_text())
@@ -206,12 +213,10 @@ def _worker(argv: list[str]) -> None:
     split = load_dataset(args.dataset, args.data_root, seed=args.seed)
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=args.seed)
     policies = args.policies.split(",")
-    total = len(policies) * args.epochs + 2 * args.homogeneous_epochs
-    progress = tqdm(total=total, desc="epochs", unit="epoch", disable=None if rank == 0 else True, file=sys.stderr)
+    progress = EventWriter(enabled=rank == 0)
 
     runs = {policy: _train_policy(policy, args, split, emulation, progress) for policy in policies}
     homogeneous = _compare_with_plain_ddp(args, split, progress) if args.homogeneous_epochs else None
-    progress.close()
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
         args.out.write_text(json.dumps({"settings": settings, "runs": runs, "homogeneous": homogeneous}))
@@ -225,7 +230,7 @@ def _new_model(seed: int, split: Split) -> ConvNet:
 
 
 def _train_policy(
-    policy: str, args: argparse.Namespace, split: Split, emulation: Emulation, progress: tqdm
+    policy: str, args: argparse.Namespace, split: Split, emulation: Emulation, progress: EventWriter
 ) -> list[dict]:
     config = AllocationConfig(
         policy=policy,
@@ -246,14 +251,13 @@ def _train_policy(
         wall_s += report.epoch_s
         rows.append({**vars(report), "policy": policy, "start_shares": start_shares, "wall_s": wall_s,
                      "accuracy": accuracy(model, split.test)})
-        progress.set_postfix(policy=policy, epoch_s=f"{report.epoch_s:.2f}")
-        progress.update()
+        progress.update(row=rows[-1])
     dist.barrier()
     trainer.close()
     return rows
 
 
-def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: tqdm) -> dict[str, list[float]]:
+def _compare_with_plain_ddp(args: argparse.Namespace, split: Split, progress: EventWriter) -> dict[str, list[float]]:
     """Alternate epochs of plain DDP and of the drop-in (adaptive allocation) on equal, unemulated speeds.
 
     Both iterate the same DataLoader settings (per-rank batches of global_batch / N, one item at a time through

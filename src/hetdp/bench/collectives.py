@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from hetdp.collectives.partial import PartialAllreduce
 from hetdp.errors import ConfigError, HetDPError
-from hetdp.launch import run_local
-from hetdp.report import format_table
+from hetdp.launch import EventWriter, run_local
+from hetdp.report import LaunchProgress, format_table
 from hetdp.runtime import init_distributed
 
 MODES = ("allreduce", "solo", "majority", "quorum")
@@ -47,17 +46,20 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", help="process counts, one launch each (default 16,32; --quick: 8, since "
-                        "starting 16-32 processes that import torch takes minutes on 2 cores)")
-    parser.add_argument("--skew-ms", type=float, default=5.0, help="rank r sleeps r times this before each call")
-    parser.add_argument("--iterations", type=int, help="measured calls per mode (default 64, quick 24)")
+    parser.add_argument("--nproc", metavar="P1,P2,...", help="process counts, one launch each (default 16,32; "
+                        "--quick: 8, since starting 16-32 processes that import torch takes minutes on 2 cores)")
+    parser.add_argument("--skew-ms", type=float, default=5.0, metavar="MS",
+                        help="rank r sleeps r times MS milliseconds before each call (default 5)")
+    parser.add_argument("--iterations", type=int, metavar="N", help="measured calls per mode (default 64, quick 24)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = parse_nproc(args.nproc or ("8" if args.quick else "16,32"))
-    iterations = args.iterations or (24 if args.quick else 64)
-    if iterations < 1 or not args.skew_ms >= 0:
-        raise ConfigError(f"--iterations must be >= 1 and --skew-ms >= 0, got {iterations} and {args.skew_ms}")
+    iterations = args.iterations if args.iterations is not None else (24 if args.quick else 64)
+    if iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1, got {iterations}")
+    if not args.skew_ms >= 0:
+        raise ConfigError(f"--skew-ms must be >= 0, got {args.skew_ms}")
     runs = [summarize(launch(nproc, args.skew_ms, iterations, args.seed)) for nproc in counts]
     return {**runs[0], "runs": runs, "paper": PAPER}
 
@@ -67,7 +69,10 @@ def launch(nproc: int, skew_ms: float, iterations: int, seed: int) -> dict[str, 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "collectives.json"
         args = ["--out", out, "--skew-ms", skew_ms, "--iterations", iterations, "--seed", seed]
-        completed = run_local("hetdp.bench.collectives", nproc, args, module=True)
+        calls = len(MODES) * (WARMUP + iterations)
+        with LaunchProgress(calls, f"collectives P={nproc}", nproc=nproc, unit="call") as progress:
+            completed = run_local("hetdp.bench.collectives", nproc, args, module=True, follow=progress,
+                                  report_errors=True)
         if completed.returncode != 0 or not out.is_file():
             raise HetDPError(f"collectives workers on {nproc} ranks failed (exit code {completed.returncode})")
         return json.loads(out.read_text())
@@ -108,6 +113,8 @@ def render(result: dict[str, Any]) -> str:
     paper = result["paper"]
     return "\n".join([
         format_table(rows, title=title),
+        ("latency: one call, mean over ranks and calls; speedup: all_reduce's latency / this mode's; NAP: number of "
+         "active processes, the ranks whose fresh data a round holds (mean over rounds; all_reduce: every rank)"),
         f"paper (P={paper['P']}, 1 ms skew): solo {paper['speedup_solo']}x, majority {paper['speedup_majority']}x",
     ])
 
@@ -124,8 +131,7 @@ def _worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
-    progress = tqdm(total=len(MODES) * (WARMUP + args.iterations), desc=f"collectives P={world_size}",
-                    unit="call", disable=None if rank == 0 else True, file=sys.stderr)
+    progress = EventWriter(enabled=rank == 0)
     latency: dict[str, list[float]] = {}
     contributors: dict[str, list[int]] = {}
     rounds: dict[str, int] = {}
@@ -152,7 +158,6 @@ def _worker(argv: list[str]) -> None:
             progress.update()
         if partial is not None:
             rounds[mode] = partial.close()[-1].round  # the flushing round's index: rounds run before it
-    progress.close()
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, latency)
     if rank == 0:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,10 +27,33 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def require_command(parser: argparse.ArgumentParser, metavar: str, dest: str) -> argparse._SubParsersAction:
+    """Sub-commands for ``parser``; without one, it prints its help (the list of them), then one error line."""
+    subparsers = parser.add_subparsers(dest=dest, metavar=metavar)
+    parser.set_defaults(handler=lambda args: _missing(parser, metavar, subparsers))
+    return subparsers
+
+
+def _missing(parser: argparse.ArgumentParser, metavar: str, subparsers: argparse._SubParsersAction) -> int:
+    parser.print_help(sys.stderr)
+    print(f"{parser.prog}: error: choose a {metavar}: {', '.join(subparsers.choices)}", file=sys.stderr)
+    return 2
+
+
+def version() -> str:
+    """The installed package's version, for `hetdp --version`."""
+    try:
+        return importlib.metadata.version("hetdp")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="hetdp", description="Heterogeneity-aware data-parallel training for PyTorch.")
+    parser = OneLineParser(prog="hetdp", description="Heterogeneity-aware data-parallel training for PyTorch.",
+                           epilog="`hetdp COMMAND --help` describes each command and its flags.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"hetdp {version()}")
+    subparsers = require_command(parser, "COMMAND", dest="command")
     for name in COMMANDS:
         importlib.import_module(f"hetdp.cli.{name}").register(subparsers)
     return parser
@@ -39,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args) or 0
+    except BrokenPipeError:  # the reader left (`hetdp plan ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 1
     except HetDPError as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"hetdp {args.command}: error: {first_line}", file=sys.stderr)
+        command = " ".join(name for name in (args.command, getattr(args, "benchmark", None)) if name)
+        print(f"hetdp {command}: error: {first_line}", file=sys.stderr)
         return 2

@@ -8,13 +8,25 @@ import importlib
 from types import ModuleType
 
 from hetdp.bench import BENCHMARKS
+from hetdp.cli import require_command
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
 
+COMMON_FLAGS = (
+    "Every benchmark takes --quick (a run of under two minutes on 2 cores), --json PATH (write its figures as "
+    "one JSON object to PATH) and --seed N (seed of every random choice, default 0), after its NAME: "
+    "`hetdp bench collectives --quick --json out.json`. `hetdp bench NAME --help` lists its own flags."
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark (see `hetdp bench --help`)")
-    names = parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    parser = subparsers.add_parser(
+        "bench",
+        help="run a reproducible benchmark: prints a table, optionally writes JSON (see `hetdp bench --help`)",
+        description="Run one reproducible experiment: a progress bar while it runs, then a table of its figures.",
+        epilog=COMMON_FLAGS,
+    )
+    names = require_command(parser, "NAME", dest="benchmark")
     for name, description in BENCHMARKS.items():
         module = importlib.import_module(f"hetdp.bench.{name}")
         sub = names.add_parser(name, help=description, description=description)

@@ -74,7 +74,10 @@ def render(result: Plan, equal: Plan) -> str:
         for device in result.devices
     ]
     title = f"C-ADP plan ({result.method}): {total} samples, {result.epochs} epochs, {len(rows)} devices"
-    lines = [format_table(rows, title=title), ""]
+    legend = ("samples: D_i, sent once; batch: local batch size (memory-capped); batches: local steps per epoch; "
+              "send_s: seconds to receive the samples (eq. 2); compute_s: seconds of computation per epoch (eq. 5); "
+              "comm_s: seconds of parameter exchange per epoch (eq. 6); epoch_s = compute_s + comm_s")
+    lines = [format_table(rows, title=title), legend, ""]
     lines.append(f"T_send  {result.send_s:10.4g} s   (once: the slowest device's data transfer, eq. 2)")
     lines.append(f"epoch   {result.epoch_s:10.4g} s   (slowest device's compute + merge, eqs. 5-6)")
     lines.append(f"T_total {result.total_s:10.4g} s   (T_send + {result.epochs} epochs, eq. 7)")

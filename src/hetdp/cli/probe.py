@@ -9,6 +9,7 @@ yields a heterogeneous cluster file. On a real cluster, call
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -19,7 +20,7 @@ from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
-from hetdp.report import format_table
+from hetdp.report import LaunchProgress, format_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,16 +33,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
     parser.add_argument("--speeds", metavar="V1,V2,...", help="emulated relative speed of each rank, e.g. 4,4,1,1")
     parser.add_argument(
-        "--sample-cost-ms", type=float, default=0.0, metavar="MS", help="synthetic cost of one sample at speed 1"
+        "--sample-cost-ms", type=float, default=0.0, metavar="MS",
+        help="synthetic cost of one sample at speed 1 (default 0: stretch measured time by --speeds instead)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size to time (default 32)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B", help="batch size to time (default 32)")
     parser.add_argument(
         "--bandwidths-mbps", metavar="B0,B1,...", help="emulated link of each rank from rank 0, Mb/s (rank 0's: inf)"
     )
     parser.add_argument("--latencies-ms", metavar="L0,L1,...", help="emulated one-way latency of each link, ms")
-    parser.add_argument("--sample-bytes", type=float, help="b to write (default: the bytes of one real sample)")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed batches and round trips (default 5)")
-    parser.add_argument("--out", default="cluster.toml", help="cluster file to write (default cluster.toml)")
+    parser.add_argument("--sample-bytes", type=float, metavar="BYTES",
+                        help="b, bytes per sample on the wire, to write (default: the bytes of one real sample)")
+    parser.add_argument("--dataset-size", type=positive_int, metavar="D",
+                        help="samples `hetdp plan` distributes by default (default: the digits training set it times)")
+    parser.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                        help="timed batches and round trips (default 5)")
+    parser.add_argument("--out", default="cluster.toml", metavar="PATH", help="cluster file to write (default cluster.toml)")
     parser.set_defaults(handler=run)
 
 
@@ -86,13 +92,16 @@ def run(args: argparse.Namespace) -> int:
         "bandwidths_mbps": bandwidths,
         "latencies_ms": latencies,
         "sample_bytes": args.sample_bytes,
+        "dataset_size": args.dataset_size,
         "out": str(out.resolve()),
     }
     with tempfile.TemporaryDirectory(prefix="hetdp-probe-") as folder:
         path = Path(folder) / "settings.json"
         path.write_text(json.dumps(settings))
         worker = ["--worker", str(path)]
-        done = run_local("hetdp.cli.probe", nproc, worker, module=True, env=emulation.to_env(), timeout_s=600)
+        with LaunchProgress(1, "probing", nproc=nproc, unit="probe") as progress:
+            done = run_local("hetdp.cli.probe", nproc, worker, module=True, env=emulation.to_env(), timeout_s=600,
+                             follow=progress, report_errors=True)
     if done.returncode != 0:
         raise HetDPError(f"the probe workers exited with code {done.returncode} (their output is above)")
     from hetdp.cluster.spec import ClusterSpec
@@ -111,9 +120,13 @@ def run(args: argparse.Namespace) -> int:
         }
         for d in cluster.devices
     ]
-    title = f"probed {nproc} ranks (b = {cluster.sample_bytes:g} B, M_m = {cluster.model_bytes:g} B)"
+    title = (f"probed {nproc} ranks (b = {cluster.sample_bytes:g} B per sample, M_m = {cluster.model_bytes:g} B of "
+             f"model, D = {cluster.dataset_size} samples)")
     print(format_table(rows, title=title))
-    print(f"cluster written to {out}")
+    print("batch s: seconds per batch, forward and backward; Mb/s and latency ms: the link from rank 0, the data "
+          "owner; memory MB: the device's (G_i), fixed MB: taken whatever the batch (S_m), MB/sample: activations "
+          "per sample (Delta S_i)")
+    print(f"cluster written to {out}; `hetdp plan {out}` plans it")
     return 0
 
 
@@ -126,12 +139,14 @@ def _worker(settings_path: Path) -> None:
     from hetdp.cluster.probe import ProbeConfig, probe_cluster
     from hetdp.datasets import load_digits
     from hetdp.files import atomic_write
+    from hetdp.launch import EventWriter
     from hetdp.models import ConvNet
     from hetdp.runtime import init_distributed
 
     settings = json.loads(settings_path.read_text())
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
+    progress = EventWriter(enabled=rank == 0)
     links = None
     if settings["bandwidths_mbps"] is not None:
         latencies = settings["latencies_ms"] or [0.0] * world_size
@@ -146,9 +161,11 @@ def _worker(settings_path: Path) -> None:
         sample_bytes=settings["sample_bytes"],
     )
     cluster = probe_cluster(ConvNet(), inputs[:256], targets[:256], config, links=links)
+    cluster = dataclasses.replace(cluster, dataset_size=settings["dataset_size"] or len(train))
     if rank == 0:
         text = cluster.to_toml()
         atomic_write(settings["out"], lambda handle: handle.write(text.encode()))
+    progress.update()
     dist.destroy_process_group()
 
 

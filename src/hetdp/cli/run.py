@@ -87,4 +87,4 @@ def run(args: argparse.Namespace) -> int:
     if args.sync:
         sync_policy(args.sync)
         env[ENV_SYNC] = args.sync
-    return run_local(script, args.nproc, args.script_args, env=env).returncode
+    return run_local(script, args.nproc, args.script_args, env=env, report_errors=True).returncode

@@ -1,7 +1,8 @@
 """Cluster descriptions for the C-ADP planner: devices, their links from the data owner, sample and model size.
 
-A cluster file is TOML; every field is checked on load and a bad one raises a
-ConfigError that names the field and the device, so a typo never reaches the solver.
+A cluster file is TOML; every field is checked on load, and one ConfigError
+names every bad field with its device, so a typo never reaches the solver and
+one run shows all the fixes a file needs.
 """
 
 from __future__ import annotations
@@ -56,26 +57,19 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         label = f"device {self.name!r}" if isinstance(self.name, str) else "device"
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError(f"{label}: name must be a non-empty string, got {self.name!r}")
-        _check_int(label, "batch_size", self.batch_size, minimum=1)
-        _check_number(label, "batch_time_s", self.batch_time_s, positive=True)
-        _check_number(label, "bandwidth_mbps", self.bandwidth_mbps, positive=True, allow_inf=True)
-        _check_number(label, "latency_ms", self.latency_ms)
-        _check_number(label, "fixed_memory_mb", self.fixed_memory_mb)
-        _check_number(label, "activation_mb_per_sample", self.activation_mb_per_sample)
-        if self.memory_mb is not None:
-            _check_number(label, "memory_mb", self.memory_mb, positive=True)
+        problems = _device_problems(label, {field.name: getattr(self, field.name) for field in fields(self)})
+        if not problems and self.memory_mb is not None:  # the memory figures are numbers: compare them
             if self.memory_mb <= self.fixed_memory_mb:
-                raise ConfigError(
+                problems.append(
                     f"{label}: memory_mb must exceed fixed_memory_mb ({self.fixed_memory_mb!r} MB), "
                     f"got {self.memory_mb!r}"
                 )
-            if self.max_parallelism < 1:
-                raise ConfigError(
+            elif self.max_parallelism < 1:
+                problems.append(
                     f"{label}: memory_mb {self.memory_mb!r} leaves room for {self.max_parallelism:.3g} samples "
                     f"(P_max, C-ADP eq. 3), fewer than one; raise memory_mb or lower activation_mb_per_sample"
                 )
+        _raise_all(problems)
 
     @property
     def max_parallelism(self) -> float:
@@ -134,20 +128,16 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         devices = tuple(self.devices)
         object.__setattr__(self, "devices", devices)
-        if not devices:
-            raise ConfigError("devices: a cluster needs at least one device")
+        problems = [] if devices else ["devices: a cluster needs at least one device"]
         for index, device in enumerate(devices):
             if not isinstance(device, DeviceSpec):
-                raise ConfigError(f"devices[{index}] must be a DeviceSpec, got {type(device).__name__}")
-        seen: set[str] = set()
-        for device in devices:
-            if device.name in seen:
-                raise ConfigError(f"device {device.name!r}: name must be unique, it appears twice")
-            seen.add(device.name)
-        _check_number("cluster", "sample_bytes", self.sample_bytes)
-        _check_number("cluster", "model_bytes", self.model_bytes)
-        if self.dataset_size is not None:
-            _check_int("cluster", "dataset_size", self.dataset_size, minimum=1)
+                problems.append(f"devices[{index}] must be a DeviceSpec, got {type(device).__name__}")
+        names = [device.name for device in devices if isinstance(device, DeviceSpec)]
+        for name in sorted({name for name in names if names.count(name) > 1}):
+            problems.append(f"device {name!r}: name must be unique, it appears {names.count(name)} times")
+        problems += _cluster_problems({"sample_bytes": self.sample_bytes, "model_bytes": self.model_bytes,
+                                       "dataset_size": self.dataset_size})
+        _raise_all(problems)
 
     @property
     def names(self) -> list[str]:
@@ -185,20 +175,27 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
-        """Build from the parsed TOML structure (top-level keys and a ``devices`` list of tables)."""
-        _check_fields("cluster", data, allowed=_CLUSTER_KEYS, required=("sample_bytes", "model_bytes"))
-        base_time = data.get("base_batch_time_s")
-        base_size = data.get("base_batch_size")
-        if base_time is not None:
-            _check_number("cluster", "base_batch_time_s", base_time, positive=True)
-        if base_size is not None:
-            _check_int("cluster", "base_batch_size", base_size, minimum=1)
+        """Build from the parsed TOML structure (top-level keys and a ``devices`` list of tables).
+
+        Raises:
+            ConfigError: every bad field at once, ``; ``-separated, each with its device.
+        """
+        problems = _field_problems("cluster", data, allowed=_CLUSTER_KEYS, required=("sample_bytes", "model_bytes"))
+        problems += _cluster_problems(data)
+        base_time, base_size = data.get("base_batch_time_s"), data.get("base_batch_size")
+        if _number_problem("cluster", "base_batch_time_s", base_time, positive=True):
+            base_time = 1.0  # reported above; a stand-in lets the devices given by speed be checked too
         entries = data.get("devices")
-        if not isinstance(entries, list) or not entries:
-            raise ConfigError("devices: a cluster needs at least one [[devices]] table")
         devices = []
-        for index, entry in enumerate(entries):
-            devices.append(_device_from_dict(entry, index, base_time, base_size))
+        if not isinstance(entries, list) or not entries:
+            problems.append("devices: a cluster needs at least one [[devices]] table")
+        else:
+            for index, entry in enumerate(entries):
+                try:
+                    devices.append(_device_from_dict(entry, index, base_time, base_size, "base_batch_time_s" in data))
+                except ConfigError as error:
+                    problems.append(str(error))
+        _raise_all(problems)
         return cls(
             devices=tuple(devices),
             sample_bytes=data["sample_bytes"],
@@ -231,57 +228,102 @@ _DEVICE_KEYS = frozenset(field.name for field in fields(DeviceSpec)) | {"speed"}
 
 
 def _device_from_dict(
-    entry: Any, index: int, base_time: float | None, base_size: int | None
+    entry: Any, index: int, base_time: float | None, base_size: Any, base_given: bool
 ) -> DeviceSpec:
+    """One ``[[devices]]`` table as a DeviceSpec; raises one ConfigError naming every bad field of it."""
     if not isinstance(entry, Mapping):
         raise ConfigError(f"devices[{index}] must be a table, got {entry!r}")
     name = entry.get("name")
     label = f"device {name!r}" if isinstance(name, str) and name else f"devices[{index}]"
-    if "name" not in entry:
-        raise ConfigError(f"{label}: missing field 'name'")
-    _check_fields(label, entry, allowed=_DEVICE_KEYS, required=("batch_size", "bandwidth_mbps"))
+    problems = _field_problems(label, entry, allowed=_DEVICE_KEYS, required=("name", "batch_size", "bandwidth_mbps"))
+    problems += _device_problems(label, entry)
     values = {key: value for key, value in entry.items() if key != "speed"}
     if "speed" in entry:
         if "batch_time_s" in entry:
-            raise ConfigError(f"{label}: give either batch_time_s or speed, not both")
-        speed = entry["speed"]
-        _check_number(label, "speed", speed, positive=True)
-        if base_time is None:
-            raise ConfigError(f"{label}: speed needs a cluster-level base_batch_time_s (or give batch_time_s)")
-        _check_int(label, "batch_size", entry["batch_size"], minimum=1)
-        scale = entry["batch_size"] / base_size if base_size is not None else 1.0
-        values["batch_time_s"] = base_time * scale / speed
+            problems.append(f"{label}: give either batch_time_s or speed, not both")
+        problems += filter(None, [_number_problem(label, "speed", entry["speed"], positive=True)])
+        if not base_given:
+            problems.append(f"{label}: speed needs a cluster-level base_batch_time_s (or give batch_time_s)")
+        if not problems and base_time is not None:
+            scale = entry["batch_size"] / base_size if isinstance(base_size, int) and base_size >= 1 else 1.0
+            values["batch_time_s"] = base_time * scale / entry["speed"]
     elif "batch_time_s" not in entry:
-        raise ConfigError(f"{label}: missing field 'batch_time_s' (or 'speed')")
+        problems.append(f"{label}: missing field 'batch_time_s' (or 'speed')")
+    _raise_all(problems)
     return DeviceSpec(**values)
 
 
-def _check_fields(label: str, data: Mapping[str, Any], *, allowed: frozenset[str], required: Sequence[str]) -> None:
-    """Reject the first unknown field, then the first missing required one, naming ``label``."""
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
-    for key in required:
-        if key not in data:
-            raise ConfigError(f"{label}: missing field {key!r}")
+def _device_problems(label: str, values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with each device field present in ``values`` (the memory comparisons aside)."""
+    problems = []
+    if "name" in values and (not isinstance(values["name"], str) or not values["name"].strip()):
+        problems.append(f"{label}: name must be a non-empty string, got {values['name']!r}")
+    if "batch_size" in values:
+        problems.append(_int_problem(label, "batch_size", values["batch_size"], minimum=1))
+    for key, positive, allow_inf in _DEVICE_NUMBERS:
+        if values.get(key) is not None:
+            problems.append(_number_problem(label, key, values[key], positive=positive, allow_inf=allow_inf))
+    return [problem for problem in problems if problem]
 
 
-def _check_int(label: str, key: str, value: Any, *, minimum: int) -> None:
+_DEVICE_NUMBERS = (
+    ("batch_time_s", True, False),
+    ("bandwidth_mbps", True, True),
+    ("latency_ms", False, False),
+    ("memory_mb", True, False),
+    ("fixed_memory_mb", False, False),
+    ("activation_mb_per_sample", False, False),
+)
+"""(field, must be > 0, may be inf) for each numeric device field."""
+
+
+def _cluster_problems(values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with each top-level field present in ``values``."""
+    problems = [_number_problem("cluster", key, values[key]) for key in ("sample_bytes", "model_bytes") if key in values]
+    problems.append(_number_problem("cluster", "base_batch_time_s", values.get("base_batch_time_s"), positive=True))
+    for key in ("dataset_size", "base_batch_size"):
+        if values.get(key) is not None:
+            problems.append(_int_problem("cluster", key, values[key], minimum=1))
+    return [problem for problem in problems if problem]
+
+
+def _field_problems(label: str, data: Mapping[str, Any], *, allowed: frozenset[str], required: Sequence[str]) -> list[str]:
+    """Every unknown field and every missing required one, naming ``label``."""
+    problems = [
+        f"{label}: unknown field {key!r} (allowed: {', '.join(sorted(allowed))})" for key in sorted(set(data) - allowed)
+    ]
+    return problems + [f"{label}: missing field {key!r}" for key in required if key not in data]
+
+
+def _int_problem(label: str, key: str, value: Any, *, minimum: int) -> str | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{label}: {key} must be an integer, got {value!r}")
+        return f"{label}: {key} must be an integer, got {value!r}"
     if value < minimum:
-        raise ConfigError(f"{label}: {key} must be >= {minimum}, got {value!r}")
+        return f"{label}: {key} must be >= {minimum}, got {value!r}"
+    return None
 
 
-def _check_number(label: str, key: str, value: Any, *, positive: bool = False, allow_inf: bool = False) -> None:
+def _number_problem(
+    label: str, key: str, value: Any, *, positive: bool = False, allow_inf: bool = False
+) -> str | None:
+    """What is wrong with a numeric field; None for a good value, and for None (an optional field left out)."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{label}: {key} must be a number, got {value!r}")
+        return f"{label}: {key} must be a number, got {value!r}"
     if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
-        raise ConfigError(f"{label}: {key} must be finite, got {value!r}")
+        return f"{label}: {key} must be finite, got {value!r}"
     if positive and not value > 0:
-        raise ConfigError(f"{label}: {key} must be > 0, got {value!r}")
+        return f"{label}: {key} must be > 0, got {value!r}"
     if not positive and value < 0:
-        raise ConfigError(f"{label}: {key} must be >= 0, got {value!r}")
+        return f"{label}: {key} must be >= 0, got {value!r}"
+    return None
+
+
+def _raise_all(problems: Sequence[str]) -> None:
+    """One ConfigError for every problem found, on one line."""
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _toml_value(value: Any) -> str:

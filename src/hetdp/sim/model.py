@@ -1,10 +1,12 @@
 """Simulate synchronous (equal / static / adaptive) and partial (solo / majority / quorum) data parallelism.
 
 Each worker's compute time for a share is ``share / speed``, times log-normal
-jitter, plus a straggler delay drawn per step; the allreduce costs a ring's
-``2 (N - 1)`` latencies plus ``2 (N - 1) / N`` model transfers. The adaptive
-policy runs the library's own :class:`~hetdp.allocate.adaptive.AdaptiveAllocator`,
-so the simulation checks the rule itself at N = 1,000 and beyond.
+jitter, plus a straggler delay drawn per step; the allreduce costs what
+``network.py`` says (a ring: ``2 (N - 1)`` latencies plus ``2 (N - 1) / N``
+model transfers). The adaptive policy runs the library's own
+:class:`~hetdp.allocate.adaptive.AdaptiveAllocator`, so the simulation checks
+the rule itself at N = 1,000 and beyond. Every result also says how the
+workers' time divided between computing, waiting and the allreduce.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.errors import ConfigError
+from hetdp.sim.network import AllreduceCost, ring_allreduce
 
 Strategy = Literal["equal", "static", "adaptive", "solo", "majority", "quorum"]
 STRATEGIES: tuple[str, ...] = ("equal", "static", "adaptive", "solo", "majority", "quorum")
@@ -57,11 +60,13 @@ class SimulatedCluster:
     def size(self) -> int:
         return len(self.speeds)
 
+    def allreduce_cost(self) -> AllreduceCost:
+        """One allreduce of the gradient over the ring, split into latency and transfer."""
+        return ring_allreduce(self.size, self.model_mb, self.latency_s, self.bandwidth_gbps)
+
     def allreduce_s(self) -> float:
-        """Ring allreduce time: 2 (N - 1) latencies and 2 (N - 1) / N of the gradient over a link."""
-        n = self.size
-        transfer_s = self.model_mb * 8e6 / (self.bandwidth_gbps * 1e9)
-        return 2 * (n - 1) * self.latency_s + 2 * (n - 1) / n * transfer_s
+        """Seconds of one allreduce of the gradient (see :meth:`allreduce_cost`)."""
+        return self.allreduce_cost().total_s
 
     def compute_s(self, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """One step's compute time of every worker for ``shares`` samples, noise and stragglers included."""
@@ -72,15 +77,26 @@ class SimulatedCluster:
 
 @dataclass(frozen=True)
 class SimulationResult:
+    """What one strategy did in a simulated run. The three fractions divide the workers' time: they sum to 1."""
+
     strategy: str
     steps: int
+    """Steps (synchronous) or rounds (partial) simulated."""
     seconds: float
     """Simulated wall-clock seconds for all steps."""
     samples_per_s: float
-    """Gradient samples computed and applied per second."""
+    """Gradient samples applied per second: ``steps * samples_per_step / seconds``."""
     fresh_fraction: float
-    """Share of contributions that were computed on the current model (1 for synchronous strategies)."""
+    """Share of the applied gradients computed from the latest model (1 for synchronous strategies)."""
     final_shares: list[int]
+    samples_per_step: float
+    """Gradient samples applied per step: the global batch, or in a partial round only the workers that arrived."""
+    compute_fraction: float
+    """Share of the workers' time spent computing gradients."""
+    wait_fraction: float
+    """Share spent idle: waiting for the slowest worker (synchronous) or for a round to fire (partial)."""
+    allreduce_fraction: float
+    """Share spent in the allreduce."""
 
 
 def simulate(
@@ -110,15 +126,20 @@ def _simulate_synchronous(
     weights = list(cluster.speeds) if strategy == "static" else None
     allocator = AdaptiveAllocator(cluster.size, global_batch, initial=weights)
     allreduce_s = cluster.allreduce_s()
-    clock_s, window = 0.0, np.zeros(cluster.size)
+    clock_s, window, busy_s, idle_s = 0.0, np.zeros(cluster.size), 0.0, 0.0
     for step in range(1, steps + 1):
         compute = cluster.compute_s(np.asarray(allocator.shares, dtype=float), rng)
         clock_s += compute.max() + allreduce_s
+        busy_s += compute.sum()
+        idle_s += (compute.max() - compute).sum()  # everyone waits for the slowest before the allreduce
         window += compute
         if strategy == "adaptive" and step % replan_every == 0:
             allocator.update(window.tolist(), replan_every)
             window[:] = 0.0
-    return SimulationResult(strategy, steps, clock_s, steps * global_batch / clock_s, 1.0, allocator.shares)
+    worker_s = cluster.size * clock_s
+    return SimulationResult(strategy, steps, clock_s, steps * global_batch / clock_s, 1.0, allocator.shares,
+                            samples_per_step=float(global_batch), compute_fraction=busy_s / worker_s,
+                            wait_fraction=idle_s / worker_s, allreduce_fraction=steps * allreduce_s / clock_s)
 
 
 def _simulate_partial(
@@ -136,9 +157,10 @@ def _simulate_partial(
     if k is not None and not 1 <= k <= cluster.size:
         raise ConfigError(f"quorum must be in [1, {cluster.size}], got {k}")
     allreduce_s = cluster.allreduce_s()
+    started_at = np.zeros(cluster.size)  # each worker's timeline: compute, wait for a round to fire, allreduce, ...
     ready_at = cluster.compute_s(shares, rng)
     model_round = np.zeros(cluster.size, dtype=int)  # the round whose result each pending gradient started from
-    round_end_s, fresh, contributions = 0.0, 0, 0
+    round_end_s, fresh, contributions, busy_s, idle_s = 0.0, 0, 0, 0.0, 0.0
     for number in range(steps):
         fire_s = np.partition(ready_at, k - 1)[k - 1] if k else ready_at[rng.integers(cluster.size)]
         fire_s = max(fire_s, round_end_s)
@@ -146,8 +168,16 @@ def _simulate_partial(
         arrived = ready_at <= fire_s
         contributions += int(arrived.sum())
         fresh += int((arrived & (model_round == number)).sum())
+        busy_s += (ready_at - started_at)[arrived].sum()
+        idle_s += (fire_s - ready_at)[arrived].sum()
+        started_at = np.where(arrived, round_end_s, started_at)
         ready_at = np.where(arrived, round_end_s + cluster.compute_s(shares, rng), ready_at)
         model_round = np.where(arrived, number + 1, model_round)
+    busy_s += (np.minimum(ready_at, round_end_s) - started_at).clip(min=0.0).sum()  # gradients still in progress
+    idle_s += (round_end_s - ready_at).clip(min=0.0).sum()  # ready after the last round fired
     samples = contributions * shares.mean()
+    worker_s = cluster.size * round_end_s
     return SimulationResult(mode, steps, round_end_s, samples / round_end_s, fresh / max(contributions, 1),
-                            shares.astype(int).tolist())
+                            shares.astype(int).tolist(), samples_per_step=samples / steps,
+                            compute_fraction=busy_s / worker_s, wait_fraction=idle_s / worker_s,
+                            allreduce_fraction=contributions * allreduce_s / worker_s)

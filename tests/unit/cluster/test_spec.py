@@ -193,3 +193,20 @@ def test_programmatic_construction_is_validated_too():
         DeviceSpec(name="x", batch_size=1, batch_time_s=1.0, bandwidth_mbps=-5)
     with pytest.raises(ConfigError, match="devices: a cluster needs at least one device"):
         ClusterSpec(devices=(), sample_bytes=1, model_bytes=1)
+
+
+def test_one_load_reports_every_bad_field_of_every_device(tmp_path):
+    text = ("sample_bytes = -1\nmodel_bytes = 1\nbase_batch_time_s = 0\n"
+            + device_table(batch_size=0, latency_ms=-2) + "\n"
+            + device_table(name='"gpu-1"', bandwidth_mbps=None, batch_time_s=None, speed=2, colour='"red"'))
+    with pytest.raises(ConfigError) as error:
+        ClusterSpec.from_toml(write(tmp_path, text))
+    message = str(error.value)
+    for problem in ("cluster: sample_bytes must be >= 0, got -1",
+                    "cluster: base_batch_time_s must be > 0, got 0",
+                    "device 'cpu-2': batch_size must be >= 1, got 0",
+                    "device 'cpu-2': latency_ms must be >= 0, got -2",
+                    "device 'gpu-1': unknown field 'colour'",
+                    "device 'gpu-1': missing field 'bandwidth_mbps'"):
+        assert problem in message
+    assert message.count(";") == 5 and "\n" not in message

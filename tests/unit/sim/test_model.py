@@ -57,3 +57,32 @@ def test_bad_clusters_are_rejected(kwargs, message):
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ConfigError, match="strategy must be one of"):
         simulate(SimulatedCluster(speeds=(1.0,)), "gossip", global_batch=10, steps=1)
+
+
+STRAGGLY = {"speeds": (100.0, 150.0, 200.0, 400.0, 50.0), "straggler_probability": 0.1, "straggler_delay_s": 0.5,
+            "jitter": 0.1}
+
+
+@pytest.mark.parametrize("strategy", ["equal", "static", "adaptive", "solo", "majority", "quorum"])
+def test_throughput_is_steps_times_samples_per_step_over_time(strategy):
+    result = simulate(SimulatedCluster(**STRAGGLY), strategy, global_batch=500, steps=80)
+    assert result.samples_per_s == pytest.approx(result.steps * result.samples_per_step / result.seconds)
+    if strategy in ("equal", "static", "adaptive"):
+        assert result.samples_per_step == 500
+    else:
+        assert 0 < result.samples_per_step <= 500  # a partial round applies only the gradients that arrived
+
+
+@pytest.mark.parametrize("strategy", ["equal", "static", "adaptive", "solo", "majority", "quorum"])
+def test_compute_wait_and_allreduce_divide_the_workers_time(strategy):
+    result = simulate(SimulatedCluster(**STRAGGLY), strategy, global_batch=500, steps=80)
+    fractions = (result.compute_fraction, result.wait_fraction, result.allreduce_fraction)
+    assert all(0 <= fraction <= 1 for fraction in fractions)
+    assert sum(fractions) == pytest.approx(1.0)
+
+
+def test_perfect_static_allocation_on_a_quiet_cluster_only_computes_and_allreduces():
+    cluster = SimulatedCluster(speeds=(100.0, 200.0, 400.0), jitter=0.0, latency_s=0.01, model_mb=1.0)
+    result = simulate(cluster, "static", global_batch=700, steps=10)
+    assert result.wait_fraction == pytest.approx(0.0, abs=1e-12)
+    assert result.allreduce_fraction == pytest.approx(cluster.allreduce_s() / (1.0 + cluster.allreduce_s()))

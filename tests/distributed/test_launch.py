@@ -1,0 +1,96 @@
+"""Launched workers report back: rank 0's events reach the launcher as they come, and a HetDPError ends the
+launch in one line (exit code 2) instead of a traceback per rank."""
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hetdp.errors import HetDPError
+from hetdp.launch import run_local
+
+EVENTS_SCRIPT = """
+    import sys
+    import sibling                                   # a module beside the script: sys.path[0] is its folder
+
+    from hetdp.launch import EventWriter
+    import os
+
+    assert __name__ == "__main__"
+    writer = EventWriter(enabled=os.environ["RANK"] == "0")
+    for step in range(int(sys.argv[1])):
+        writer.update(row={"step": step, "word": sibling.WORD})
+    writer.update(2)
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    def write(body: str, name: str = "train.py"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(body))
+        return path
+
+    return write
+
+
+def test_rank_0_events_reach_the_launcher_in_order(script):
+    script("WORD = 'beside'\n", name="sibling.py")
+    seen = []
+    completed = run_local(script(EVENTS_SCRIPT), 2, ["3"], follow=seen.extend, report_errors=True, capture=True,
+                          timeout_s=120)
+    assert completed.returncode == 0, completed.stdout
+    rows = [{"advance": 1, "row": {"step": step, "word": "beside"}} for step in range(3)]
+    assert seen == [{"advance": 0}, *rows, {"advance": 2}]  # the first says the workers are up
+
+
+HANDSHAKE_SCRIPT = """
+    import os, sys, time
+    from pathlib import Path
+    from hetdp.launch import EventWriter
+
+    if os.environ["RANK"] == "0":
+        EventWriter().update(row={"go": sys.argv[1]})
+        deadline = time.monotonic() + 60
+        while not Path(sys.argv[1]).exists():    # the launcher answers the row while this rank still runs
+            if time.monotonic() > deadline:
+                sys.exit("no answer from the launcher")
+            time.sleep(0.05)
+"""
+
+
+def test_events_reach_the_launcher_while_the_workers_run(script, tmp_path):
+    def answer(events):
+        for event in events:
+            if "row" in event:
+                Path(event["row"]["go"]).touch()
+
+    completed = run_local(script(HANDSHAKE_SCRIPT), 2, [tmp_path / "go"], follow=answer, capture=True, timeout_s=120)
+    assert completed.returncode == 0, completed.stdout
+
+
+def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
+    path = script("import hetdp\nraise hetdp.ConfigError('batch_size must be >= 1, got 0')\n")
+    # torchrun stops the other rank once one failed: it may or may not have reported the error too
+    with pytest.raises(HetDPError, match=r"^batch_size must be >= 1, got 0 \((rank 0|rank 1|ranks 0, 1)\)$"):
+        run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+
+
+def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script):
+    path = script("import hetdp\nraise hetdp.ConfigError('the cluster has 4 devices but the group has 2 ranks')\n")
+    completed = subprocess.run([sys.executable, "-m", "hetdp.cli", "run", "-n", "2", str(path)],
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr + completed.stdout
+    assert re.fullmatch(r"hetdp run: error: the cluster has 4 devices but the group has 2 ranks "
+                        r"\((rank 0|rank 1|ranks 0, 1)\)", completed.stderr.splitlines()[-1])
+
+
+def test_a_bug_in_a_worker_keeps_its_traceback(script):
+    path = script("raise RuntimeError('a bug')\n")
+    completed = run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+    assert completed.returncode != 0
+    assert "Traceback" in completed.stdout and "RuntimeError: a bug" in completed.stdout
