@@ -142,7 +142,7 @@ class AdaptiveAllocator:
         window_shares = [share * steps for share in self.shares]
         measured = measured_speeds(window_shares, compute_seconds)
         if self.stable and self.freeze_when_stable:
-            if self.drift is None or not self._drifted(measured):
+            if self.drift is None or not self._drifted(measured, steps, step_cv):
                 return list(self.shares)
             self._restart()
         if step_cv is not None:
@@ -187,11 +187,13 @@ class AdaptiveAllocator:
         if self.stable:
             self.settled_speeds = measured
 
-    def _drifted(self, measured: list[float]) -> bool:
-        """Whether some rank's speed has moved by ``drift`` from the settled speeds for ``sustain`` updates."""
+    def _drifted(self, measured: list[float], steps: int, step_cv: float | None) -> bool:
+        """Whether some rank's speed has moved from the settled speeds, by ``drift`` and by more than three
+        standard errors of the window's timing noise, for ``sustain`` updates in a row."""
         settled = self.settled_speeds or measured
         change = max(abs(new / old - 1.0) for new, old in zip(measured, settled))
-        self.drifted_updates = self.drifted_updates + 1 if change >= self.drift else 0
+        threshold = max(self.drift, 3.0 * (step_cv or 0.0) / math.sqrt(steps))  # type: ignore[type-var]
+        self.drifted_updates = self.drifted_updates + 1 if change >= threshold else 0
         return self.drifted_updates >= self.sustain
 
     def _restart(self) -> None:

@@ -210,7 +210,7 @@ class Allocator:
         medians = [statistics.median(times) for times in compute_s]
         spreads = [1.4826 * statistics.median(abs(t - m) for t in times) / m
                    for times, m in zip(compute_s, medians)]
-        step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5 if steps > 2 else None
+        step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5 if steps > 1 else None
         before = list(self.shares)
         self.shares = self.adaptive.update([m * steps for m in medians], steps, step_cv=step_cv)
         if self.shares == before:

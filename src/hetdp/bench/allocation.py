@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
         replan_every=args.replan_every,
-        homogeneous_epochs=4 if args.quick else 8,
+        homogeneous_epochs=12 if args.quick else 24,
         seed=args.seed,
         lr=0.05 * args.global_batch / 128,  # the linear scaling rule
         dataset=args.dataset,

@@ -1,0 +1,64 @@
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetdp import Adaptive, ClusterSpec, ConfigError, DeviceSpec, Equal, Planned, Static
+from hetdp.allocate.policy import Allocator, allocation_policy
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("equal", Equal()), ("adaptive", Adaptive()), ("static:1,1,2,4", Static((1.0, 1.0, 2.0, 4.0)))],
+)
+def test_names_give_the_policies(text, expected):
+    assert allocation_policy(text) == expected
+
+
+@pytest.mark.parametrize("text", ["fair", "static", "static:1,x", "static:0,0", "adaptive:3"])
+def test_bad_names_are_one_config_error(text):
+    with pytest.raises(ConfigError, match="allocation must be|static weights"):
+        allocation_policy(text)
+
+
+def test_the_environment_chooses_when_the_code_does_not(monkeypatch):
+    monkeypatch.setenv("HETDP_ALLOCATION", "equal")
+    assert allocation_policy(None) == Equal()
+    assert allocation_policy("adaptive") == Adaptive()  # the code's choice wins
+
+
+def test_fixed_policies_never_ask_for_measurements():
+    for policy in (Equal(), Static((1.0, 3.0))):
+        allocator = Allocator(policy, 2, 100)
+        assert allocator.window() is None and allocator.observe([[1.0], [9.0]]) is None
+    assert Allocator(Static((1.0, 3.0)), 2, 100).shares == [25, 75]
+
+
+def test_a_planned_allocation_follows_the_c_adp_plan():
+    devices = (DeviceSpec(name="slow", batch_size=8, batch_time_s=0.04, bandwidth_mbps=math.inf),
+               DeviceSpec(name="fast", batch_size=8, batch_time_s=0.01, bandwidth_mbps=math.inf))
+    allocator = Allocator(Planned(cluster=ClusterSpec(devices=devices, sample_bytes=10, model_bytes=10)), 2, 100,
+                          dataset_size=1000)
+    assert allocator.shares == [20, 80]
+    with pytest.raises(ConfigError, match="2 devices for 3 ranks"):
+        Allocator(Planned(cluster=ClusterSpec(devices=devices, sample_bytes=10, model_bytes=10)), 3, 99,
+                  dataset_size=1000)
+
+
+def test_a_random_straggler_in_a_window_does_not_read_as_a_slower_device():
+    allocator = Allocator(Adaptive(replan_every=5), 2, 100)
+    # per-step seconds at shares [50, 50]: equal devices; rank 0 was delayed 200 ms in one step of five
+    assert allocator.observe([[0.05, 0.05, 0.25, 0.05, 0.05], [0.05] * 5]) is None
+    assert allocator.shares == [50, 50]
+
+
+@given(seed=st.integers(0, 10_000))
+def test_timing_noise_of_two_step_windows_on_equal_devices_rarely_moves_the_shares(seed):
+    # Four equal ranks sharing two cores: each step takes 0.7x to 1.5x its usual time, at random.
+    rng = random.Random(seed)
+    allocator = Allocator(Adaptive(), 4, 128)
+    for _ in range(10):
+        allocator.observe([[1e-4 * share * rng.uniform(0.7, 1.5) for _ in range(2)] for share in allocator.shares])
+    assert allocator.replans <= 2
