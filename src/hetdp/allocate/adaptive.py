@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from scipy import stats
+
 from hetdp.allocate.apportion import apportion, apportion_min_max
 from hetdp.errors import ConfigError
 
@@ -116,6 +118,8 @@ class AdaptiveAllocator:
         the shares last changed: other shares have other noise (ranks sharing cores contend differently), and a
         noisy first window must not hold back the re-plans after it."""
         self._noise_reports = 0
+        self._noise_dof = 0
+        """Degrees of freedom of ``noise_cv``: ranks x (steps - 1) per report."""
         self.calm_updates = 0
         self.updates = 0
         self.settled_speeds: list[float] | None = None
@@ -149,6 +153,7 @@ class AdaptiveAllocator:
             if not (math.isfinite(step_cv) and step_cv >= 0):
                 raise ConfigError(f"step_cv must be a finite fraction >= 0, got {step_cv!r}")
             self._noise_reports += 1
+            self._noise_dof += len(self.shares) * max(steps - 1, 1)
             self.noise_cv = math.sqrt(self.noise_cv**2 + (step_cv**2 - self.noise_cv**2) / self._noise_reports)
         step_s = max(share / speed for share, speed in zip(self.shares, measured))
         self.updates += 1
@@ -171,7 +176,9 @@ class AdaptiveAllocator:
         self.speeds = speeds
         smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
         predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
-        required_gain = max(self.tolerance, 2.0 * self.noise_cv / math.sqrt(steps))
+        # A 95% bound on the window mean's error: Student's t, since a few steps per rank estimate the noise poorly.
+        t_quantile = float(stats.t.ppf(0.975, self._noise_dof)) if self._noise_dof else 2.0
+        required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
         if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:
             self._calm(measured)
@@ -201,12 +208,12 @@ class AdaptiveAllocator:
         self.calm_updates = self.drifted_updates = 0
         self.speeds = self.trial = self.settled_speeds = None
         self.rejected = []
-        self.noise_cv, self._noise_reports = 0.0, 0
+        self.noise_cv, self._noise_reports, self._noise_dof = 0.0, 0, 0
         self.restarts += 1
 
     def _set_shares(self, shares: list[int]) -> None:
         self.shares = shares
-        self.noise_cv, self._noise_reports = 0.0, 0
+        self.noise_cv, self._noise_reports, self._noise_dof = 0.0, 0, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -218,6 +225,7 @@ class AdaptiveAllocator:
             "rejected": self.rejected,
             "noise_cv": self.noise_cv,
             "noise_reports": self._noise_reports,
+            "noise_dof": self._noise_dof,
             "settled_speeds": self.settled_speeds,
             "drifted_updates": self.drifted_updates,
             "restarts": self.restarts,
@@ -238,6 +246,7 @@ class AdaptiveAllocator:
         self.rejected = [list(shares) for shares in state.get("rejected", [])]
         self.noise_cv = float(state.get("noise_cv", 0.0))
         self._noise_reports = int(state.get("noise_reports", 0))
+        self._noise_dof = int(state.get("noise_dof", 0))
         self.settled_speeds = state.get("settled_speeds")
         self.drifted_updates = int(state.get("drifted_updates", 0))
         self.restarts = int(state.get("restarts", 0))

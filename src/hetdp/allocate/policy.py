@@ -9,6 +9,7 @@ ones: ``"equal"``, ``"adaptive"``, ``"static:W1,W2,..."``.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -136,6 +137,13 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
     raise ConfigError(f"allocation must be equal, adaptive or static:W1,W2,... ; got {spec!r}")
 
 
+def _spread(times: Sequence[float], median: float) -> float:
+    """A robust standard deviation: 1.4826 x the median absolute deviation, or for two values their own."""
+    if len(times) == 2:
+        return abs(times[0] - times[1]) / math.sqrt(2.0)
+    return 1.4826 * statistics.median(abs(t - median) for t in times)
+
+
 class Allocator:
     """The shares of one run, under any policy: what every rank computes of each step of ``total`` samples.
 
@@ -201,16 +209,18 @@ class Allocator:
         they changed.
 
         A rank's per-step times are summarized by their median, so a step that a
-        random straggler delayed does not read as a slower device; the spread
-        (median absolute deviation) is the noise a re-plan must beat.
+        random straggler delayed does not read as a slower device; their spread
+        (from the median absolute deviation, or the two values of a two-step
+        window) is the noise a re-plan must beat.
         """
         if self.adaptive is None or not compute_s or not compute_s[0]:
             return None
         steps = len(compute_s[0])
         medians = [statistics.median(times) for times in compute_s]
-        spreads = [1.4826 * statistics.median(abs(t - m) for t in times) / m
-                   for times, m in zip(compute_s, medians)]
-        step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5 if steps > 1 else None
+        step_cv = None
+        if steps > 1:
+            spreads = [_spread(times, median) / median for times, median in zip(compute_s, medians)]
+            step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5
         before = list(self.shares)
         self.shares = self.adaptive.update([m * steps for m in medians], steps, step_cv=step_cv)
         if self.shares == before:

@@ -111,7 +111,7 @@ def test_per_step_normalization_makes_windows_of_different_lengths_comparable():
 def test_noise_measured_at_earlier_shares_does_not_hold_back_the_next_replan():
     allocator = AdaptiveAllocator(2, 120, patience=2)
     # the first window overstates rank 1's time (it ran 3.4x, not 4x, as fast) and was noisy
-    first = allocator.update(synthetic_seconds([60, 60], [1.0, 3.4]), steps=2, step_cv=0.2)
+    first = allocator.update(synthetic_seconds([60, 60], [1.0, 3.4]), steps=2, step_cv=0.1)
     assert first == [27, 93]
     # measured exactly at the new shares, the 11% shorter step is worth taking; the old noise no longer applies
     assert allocator.update(synthetic_seconds(first, [1.0, 4.0]), steps=2, step_cv=0.0) == [24, 96]

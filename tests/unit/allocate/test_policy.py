@@ -2,8 +2,6 @@ import math
 import random
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from hetdp import Adaptive, ClusterSpec, ConfigError, DeviceSpec, Equal, Planned, Static
 from hetdp.allocate.policy import Allocator, allocation_policy
@@ -54,11 +52,14 @@ def test_a_random_straggler_in_a_window_does_not_read_as_a_slower_device():
     assert allocator.shares == [50, 50]
 
 
-@given(seed=st.integers(0, 10_000))
-def test_timing_noise_of_two_step_windows_on_equal_devices_rarely_moves_the_shares(seed):
-    # Four equal ranks sharing two cores: each step takes 0.7x to 1.5x its usual time, at random.
-    rng = random.Random(seed)
-    allocator = Allocator(Adaptive(), 4, 128)
-    for _ in range(10):
-        allocator.observe([[1e-4 * share * rng.uniform(0.7, 1.5) for _ in range(2)] for share in allocator.shares])
-    assert allocator.replans <= 2
+def test_timing_noise_of_two_step_windows_on_equal_devices_rarely_moves_the_shares():
+    # Four equal ranks sharing two cores: each step takes 0.7x to 1.5x its usual time, at random. Over 300 runs of
+    # ten re-plan windows, most never move (a trial and its roll-back count as two moves).
+    replans = []
+    for seed in range(300):
+        rng = random.Random(seed)
+        allocator = Allocator(Adaptive(), 4, 128)
+        for _ in range(10):
+            allocator.observe([[1e-4 * share * rng.uniform(0.7, 1.5) for _ in range(2)] for share in allocator.shares])
+        replans.append(allocator.replans)
+    assert replans.count(0) >= 0.85 * len(replans) and sum(replans) / len(replans) <= 0.3
