@@ -176,8 +176,10 @@ class AdaptiveAllocator:
         self.speeds = speeds
         smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
         predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
-        # A 95% bound on the window mean's error: Student's t, since a few steps per rank estimate the noise poorly.
-        t_quantile = float(stats.t.ppf(0.975, self._noise_dof)) if self._noise_dof else 2.0
+        # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
+        # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
+        confidence = 1.0 - 0.025 / len(self.shares)
+        t_quantile = float(stats.t.ppf(confidence, self._noise_dof)) if self._noise_dof else 2.0
         required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
         if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:

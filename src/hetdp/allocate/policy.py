@@ -22,6 +22,11 @@ from hetdp.allocate.planner import plan
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
 
+NOISY = 0.1
+"""A window whose mean step time is known no better than this (relative standard error) waits for more steps."""
+MAX_WINDOW = 16
+"""The longest a noisy window grows, in steps."""
+
 ENV_ALLOCATION = "HETDP_ALLOCATION"
 """Set by ``hetdp run --allocation``: the allocation of a drop-in whose code does not choose one."""
 
@@ -171,6 +176,12 @@ class Allocator:
             self.shares = apportion(weights or [1.0] * world_size, total, minimum if weights is None else 0)
         self.replans = 0
         """Times the shares changed."""
+        self._window: list[list[float]] = []
+        """Every rank's compute seconds for each measured step at the current shares, not yet re-planned on."""
+        self._extended: int | None = None
+        """The longer window a too noisy one asked for."""
+        self._proposed_from = 0
+        """Steps of the window the last re-plan was made from."""
 
     @staticmethod
     def _weights(policy: AllocationPolicy, world_size: int, dataset_size: int | None) -> list[float] | None:
@@ -195,38 +206,76 @@ class Allocator:
         return self.adaptive is None or self.adaptive.stable
 
     def window(self) -> int | None:
-        """Measured steps to gather before the next ``observe``: k, 0 for each epoch's end, or None when the
-        shares no longer move (not adaptive, or stable and frozen)."""
+        """Measured steps to gather before the next re-plan: k, 0 for each epoch's end, or None when the shares
+        no longer move (not adaptive, or stable and frozen). Noisy windows ask for more (see ``replan``)."""
         if self.adaptive is None:
             return None
         policy: Adaptive = self.policy  # type: ignore[assignment]
         if self.adaptive.stable:
-            return policy.watch_every if policy.drift is not None else None
-        return policy.replan_every
+            window = policy.watch_every if policy.drift is not None else None
+        else:
+            window = policy.replan_every
+        if window is None:
+            return None
+        # A trial is judged on as many steps as the plan it tries was made from: a shorter window's noise (a random
+        # straggler in two steps, say) would roll back a plan that a longer one found to pay.
+        trial_steps = self._proposed_from if self.adaptive.trial is not None else 0
+        return max(window, self._extended or 0, trial_steps) if window else window
 
-    def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
-        """Feed each rank's compute seconds for the steps of a window at the current shares; return new shares if
-        they changed.
+    @property
+    def measured(self) -> int:
+        """Steps measured at the current shares and not yet used by a re-plan."""
+        return len(self._window)
+
+    def measure(self, compute_s: Sequence[float]) -> None:
+        """Record one step at the current shares: every rank's compute seconds."""
+        if self.adaptive is not None:
+            self._window.append(list(compute_s))
+
+    def due(self, epoch_end: bool = False) -> bool:
+        """Whether enough steps were measured to re-plan (at an epoch's end, any for a per-epoch policy)."""
+        window = self.window()
+        if window is None:
+            self._window = []
+            return False
+        return bool(self._window) and (len(self._window) >= window if window > 0 else epoch_end)
+
+    def replan(self) -> list[int] | None:
+        """Re-plan from the measured steps; return the new shares if they changed.
 
         A rank's per-step times are summarized by their median, so a step that a
         random straggler delayed does not read as a slower device; their spread
         (from the median absolute deviation, or the two values of a two-step
-        window) is the noise a re-plan must beat.
+        window) is the noise a re-plan must beat. A window too noisy to tell
+        anything (its mean's relative error above ``NOISY``) is kept and doubled,
+        up to ``MAX_WINDOW`` steps, rather than decided on.
         """
-        if self.adaptive is None or not compute_s or not compute_s[0]:
+        if self.adaptive is None or not self._window:
             return None
-        steps = len(compute_s[0])
+        compute_s = [list(column) for column in zip(*self._window)]  # ranks x steps
+        steps = len(self._window)
         medians = [statistics.median(times) for times in compute_s]
         step_cv = None
         if steps > 1:
             spreads = [_spread(times, median) / median for times, median in zip(compute_s, medians)]
             step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5
+            if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW:
+                self._extended = min(2 * steps, MAX_WINDOW)
+                return None
+        self._window, self._extended = [], None
         before = list(self.shares)
         self.shares = self.adaptive.update([m * steps for m in medians], steps, step_cv=step_cv)
+        self._proposed_from = steps
         if self.shares == before:
             return None
         self.replans += 1
         return list(self.shares)
+
+    def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
+        """Measure a window of steps (each rank's per-step seconds, ranks x steps) and re-plan from it."""
+        for step in zip(*compute_s):
+            self.measure(step)
+        return self.replan()
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": list(self.shares), "replans": self.replans,

@@ -12,5 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "collectives": "latency of solo / majority / quorum partial allreduce vs all_reduce under skew (eager-SGD Fig. 8)",
     "eager": "EagerSGD (solo, majority) vs synchronous SGD with one random straggler per step (eager-SGD Fig. 10)",
     "imbalance": "LSTM on variable-length sequences: time to accuracy of sync vs solo vs majority (eager-SGD Fig. 13)",
+    "compose": "allocation x synchronization under unequal speeds and a random straggler: time to accuracy per pairing",
+    "drift": "adaptive allocation when a device slows down after the shares settled: steps to recover, re-plans",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

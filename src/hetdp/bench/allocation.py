@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +24,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import DATASETS, Split, load_dataset
-from hetdp.errors import ConfigError, HetDPError
-from hetdp.launch import EventWriter, run_local
+from hetdp.errors import ConfigError
+from hetdp.launch import EventWriter
 from hetdp.models import ConvNet
-from hetdp.report import LaunchProgress, format_table
+from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 from hetdp.train import ddp as hetdp_ddp
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, accuracy
@@ -87,22 +87,15 @@ def run_experiment(speeds: tuple[float, ...], *, policies: tuple[str, ...], epoc
     """
     load_dataset(dataset, data_root)  # a bad name, folder or setting fails here, once, not on every rank
     Emulation(speeds=speeds, sample_cost_ms=sample_cost_ms)
-    with tempfile.TemporaryDirectory() as folder:
-        result_path = Path(folder) / "allocation-raw.json"
-        args = [
-            "--out", result_path, "--speeds", ",".join(map(str, speeds)), "--policies", ",".join(policies),
-            "--epochs", epochs, "--sample-cost-ms", sample_cost_ms, "--global-batch", global_batch,
-            "--micro-batch", micro_batch, "--replan-every", replan_every, "--homogeneous-epochs", homogeneous_epochs,
-            "--seed", seed, "--lr", lr, "--dataset", dataset,
-        ]
-        args += ["--data-root", data_root] if data_root else []
-        epochs_in_all = len(policies) * epochs + 2 * homogeneous_epochs
-        with LaunchProgress(epochs_in_all, "epochs", nproc=len(speeds), unit="epoch", on_row=on_row) as progress:
-            completed = run_local("hetdp.bench.allocation", len(speeds), args, module=True, follow=progress,
-                                  report_errors=True)
-        if completed.returncode != 0 or not result_path.is_file():
-            raise HetDPError(f"allocation workers failed (exit code {completed.returncode}); see their output above")
-        return json.loads(result_path.read_text())
+    args = [
+        "--speeds", ",".join(map(str, speeds)), "--policies", ",".join(policies),
+        "--epochs", epochs, "--sample-cost-ms", sample_cost_ms, "--global-batch", global_batch,
+        "--micro-batch", micro_batch, "--replan-every", replan_every, "--homogeneous-epochs", homogeneous_epochs,
+        "--seed", seed, "--lr", lr, "--dataset", dataset,
+    ]
+    args += ["--data-root", data_root] if data_root else []
+    return launch_workers("hetdp.bench.allocation", len(speeds), args, total=len(policies) * epochs + 2 *
+                          homogeneous_epochs, description="epochs", unit="epoch", on_row=on_row)
 
 
 def steady_epoch_s(rows: list[dict[str, Any]]) -> float:

@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetdp.bench.workers import launch_workers
 from hetdp.collectives.partial import PartialAllreduce
-from hetdp.errors import ConfigError, HetDPError
-from hetdp.launch import EventWriter, run_local
-from hetdp.report import LaunchProgress, format_table
+from hetdp.errors import ConfigError
+from hetdp.launch import EventWriter
+from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 
 MODES = ("allreduce", "solo", "majority", "quorum")
@@ -66,16 +66,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def launch(nproc: int, skew_ms: float, iterations: int, seed: int) -> dict[str, Any]:
     """Run the worker on ``nproc`` local ranks; return what rank 0 gathered."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "collectives.json"
-        args = ["--out", out, "--skew-ms", skew_ms, "--iterations", iterations, "--seed", seed]
-        calls = len(MODES) * (WARMUP + iterations)
-        with LaunchProgress(calls, f"collectives P={nproc}", nproc=nproc, unit="call") as progress:
-            completed = run_local("hetdp.bench.collectives", nproc, args, module=True, follow=progress,
-                                  report_errors=True)
-        if completed.returncode != 0 or not out.is_file():
-            raise HetDPError(f"collectives workers on {nproc} ranks failed (exit code {completed.returncode})")
-        return json.loads(out.read_text())
+    return launch_workers("hetdp.bench.collectives", nproc,
+                          ["--skew-ms", skew_ms, "--iterations", iterations, "--seed", seed],
+                          total=len(MODES) * (WARMUP + iterations), description=f"collectives P={nproc}", unit="call")
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hetdp.allocate.apportion import apportion
-from hetdp.allocate.planner import Plan, evaluate, plan as make_plan
+from hetdp.allocate.planner import Plan, evaluate
+from hetdp.allocate.planner import plan as make_plan
 from hetdp.cluster.emulate import Link
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.errors import ConfigError, HetDPError

@@ -213,8 +213,6 @@ class DistributedDataParallel(TorchDDP):
         self._open: _OpenStep | None = None
         self._pending: list[tuple[StepTicket, float, float]] = []
         """This rank's (step, compute s, wait s) since the last gather."""
-        self._window: list[torch.Tensor] = []
-        """Every rank's compute seconds for each gathered step at the current shares, not yet observed."""
         self._since_meeting = 0
         self._epoch: dict[str, Any] = {}
 
@@ -377,9 +375,10 @@ class DistributedDataParallel(TorchDDP):
 
     def _gather_due(self) -> bool:
         window = self.allocator.window() if self.allocator is not None else None
-        measured = sum(1 for ticket, _, _ in self._pending if list(ticket.block) == self._current_shares())
-        if window and len(self._window) + measured >= window:
-            return True
+        if window:
+            measured = sum(1 for ticket, _, _ in self._pending if list(ticket.block) == self._current_shares())
+            if self.allocator.measured + measured >= window:
+                return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
 
     def _current_shares(self) -> list[int]:
@@ -404,8 +403,11 @@ class DistributedDataParallel(TorchDDP):
         self.step_figures.extend(figures)
         if self._writer is not None and figures:
             self._writer.write_steps(figures)
-        current = self._current_shares()
-        self._window += [compute[:, i] for i, (t, _, _) in enumerate(pending) if list(t.block) == current]
+        if self.allocator is not None:
+            current = self.allocator.shares
+            for i, (ticket, _, _) in enumerate(pending):
+                if list(ticket.block) == current:
+                    self.allocator.measure(compute[:, i].tolist())
         self._plan(int(gathered[:, 0].max().item()), epoch_end)
         return gathered[:, 1 + 3 * width :]
 
@@ -426,18 +428,9 @@ class DistributedDataParallel(TorchDDP):
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
         allocator = self.allocator
-        if allocator is None:
+        if allocator is None or not allocator.due(epoch_end):
             return
-        window = allocator.window()
-        due = (window is not None and window > 0 and len(self._window) >= window) or (
-            window == 0 and epoch_end and self._window)
-        if not due:
-            if window is None:
-                self._window = []
-            return
-        compute = torch.stack(self._window, dim=1).tolist()  # ranks x steps
-        self._window = []
-        shares = allocator.observe(compute)
+        shares = allocator.replan()
         if shares is None:
             return
         first = max(horizon, self.steps_done)
@@ -459,7 +452,7 @@ class DistributedDataParallel(TorchDDP):
         if self.allocator is not None and state.get("allocator") is not None:
             self.allocator.load_state_dict(state["allocator"])
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
-        self._window, self._pending = [], []
+        self._pending = []
 
     # --- life cycle -------------------------------------------------------------------------------------------
 

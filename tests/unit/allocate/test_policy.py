@@ -62,4 +62,13 @@ def test_timing_noise_of_two_step_windows_on_equal_devices_rarely_moves_the_shar
         for _ in range(10):
             allocator.observe([[1e-4 * share * rng.uniform(0.7, 1.5) for _ in range(2)] for share in allocator.shares])
         replans.append(allocator.replans)
-    assert replans.count(0) >= 0.85 * len(replans) and sum(replans) / len(replans) <= 0.3
+    assert replans.count(0) >= 0.75 * len(replans) and sum(replans) / len(replans) <= 0.4  # without the guard: 0 and 4.2
+
+
+def test_a_window_too_noisy_to_decide_on_grows_until_its_median_holds():
+    allocator = Allocator(Adaptive(replan_every=2), 2, 100)
+    # rank 0 is twice as slow, but one of its two steps was delayed: the two-step window says nothing yet
+    allocator.observe([[0.10, 0.50], [0.05, 0.05]])
+    assert allocator.shares == [50, 50] and allocator.window() == 4 and allocator.measured == 2
+    shares = allocator.observe([[0.10, 0.10], [0.05, 0.05]])  # four steps: the median ignores the delayed one
+    assert shares == [33, 67] and allocator.measured == 0

@@ -1,4 +1,4 @@
-from hetdp.train.allocation import diagnose_straggler
+from hetdp.train.metrics import diagnose_straggler
 
 
 def test_a_slow_computer_is_named_as_the_compute_straggler():
@@ -9,3 +9,8 @@ def test_a_slow_computer_is_named_as_the_compute_straggler():
 def test_balanced_compute_with_long_allreduces_is_communication_bound():
     verdict = diagnose_straggler(compute_s=[1.50, 1.52, 1.47, 1.42], wait_s=[0.9, 0.95, 1.0, 1.1])
     assert verdict.startswith("no compute straggler: communication-bound")
+
+
+def test_equal_devices_that_tie_are_named_together_every_time():
+    verdict = diagnose_straggler(compute_s=[4.10, 4.09, 2.05, 1.03], wait_s=[0.1, 0.1, 2.1, 3.1])
+    assert verdict.startswith("ranks 0, 1 are the stragglers, by compute")

@@ -1,0 +1,238 @@
+"""Allocation x synchronization, composed: both kinds of heterogeneity at once, and the pairing that answers both.
+
+Four emulated devices of unequal speed (``--speeds``, default 1,1,2,4) train the
+digits ConvNet through the drop-in (``hetdp.DDP``), and at every step one random
+rank is delayed ``--straggler-ms`` (default 200 ms, the same draw on every rank):
+a permanent imbalance, which allocation answers, and a transient one, which a
+partial allreduce answers. One launch runs each pairing from the same initial
+model: equal + allreduce (plain DDP), adaptive + allreduce, equal + majority,
+adaptive + majority and adaptive + quorum.
+
+Figures: the time to accuracy, the training time until rank 0's model first
+reaches the final accuracy of the synchronous run (equal + allreduce) less one
+point; samples per second, which flatters the stale modes; and the final
+accuracies. ``speedup_vs_best_single_axis`` is how much sooner adaptive +
+majority gets there than the better of adaptive + allreduce and equal +
+majority. Snapshots of the model are taken every few steps and evaluated after
+training, so evaluation costs no training time.
+
+Run as a module under torchrun it is the worker; imported, it is the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from hetdp.allocate.policy import allocation_policy
+from hetdp.bench.workers import launch_workers
+from hetdp.cli.run import positive_int
+from hetdp.cluster.emulate import Emulation, parse_speeds
+from hetdp.datasets import load_digits
+from hetdp.errors import ConfigError
+from hetdp.launch import EventWriter
+from hetdp.models import ConvNet
+from hetdp.report import format_table
+from hetdp.runtime import init_distributed
+from hetdp.sync.policy import Partial, sync_policy
+from hetdp.train.allocation import accuracy
+from hetdp.train.ddp import DistributedDataParallel
+
+DEFAULT_SPEEDS = "1,1,2,4"
+PAIRINGS = (("equal", "allreduce"), ("adaptive", "allreduce"), ("equal", "majority"), ("adaptive", "majority"),
+            ("adaptive", "quorum"))
+"""(allocation, synchronization), the synchronous baseline first."""
+SNAPSHOT_EVERY = 2
+"""Steps between snapshots of rank 0's model."""
+SMOOTHING = 5
+"""Accuracy is the mean over this many consecutive snapshots (the test set's 360 images make one noisy), both
+for the final accuracy and for the curve the time to accuracy is read off."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
+    parser.add_argument("--straggler-ms", type=float, default=200.0,
+                        help="delay of the one random rank per step, in ms (default 200)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs per pairing (default 8; --quick 3)")
+    parser.add_argument("--global-batch", type=positive_int, default=64, help="samples per step (default 64)")
+    parser.add_argument("--sample-cost-ms", type=float, default=16.0,
+                        help="emulated ms per sample at speed 1 (default 16: an equal share costs the slowest rank "
+                        "256 ms, about the straggler's delay, so both kinds of heterogeneity weigh alike)")
+    parser.add_argument("--sync-every", type=positive_int, default=20,
+                        help="partial pairings: steps between meetings (parameter averaging and re-plans; default 20)")
+    parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    speeds = parse_speeds(args.speeds)
+    nproc = len(speeds)
+    if nproc < 2:
+        raise ConfigError("--speeds needs at least 2 ranks")
+    quorum = args.quorum or max(nproc // 2, 1)
+    if quorum > nproc:
+        raise ConfigError(f"--quorum {quorum} exceeds the {nproc} ranks")
+    if not (args.straggler_ms >= 0 and args.sample_cost_ms > 0):
+        raise ConfigError(f"--straggler-ms must be >= 0 and --sample-cost-ms > 0, got {args.straggler_ms}, "
+                          f"{args.sample_cost_ms}")
+    if args.global_batch < nproc:
+        raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
+    epochs = args.epochs or (3 if args.quick else 8)
+    steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
+    worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", args.straggler_ms, "--epochs", epochs,
+                   "--global-batch", args.global_batch, "--sample-cost-ms", args.sample_cost_ms,
+                   "--sync-every", args.sync_every, "--quorum", quorum, "--seed", args.seed]
+    raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=len(PAIRINGS) * epochs * steps,
+                         description="steps", unit="step")
+    return summarize(raw, speeds, quorum)
+
+
+def _name(allocation: str, sync: str, quorum: int) -> str:
+    return f"{allocation}+{f'quorum:{quorum}' if sync == 'quorum' else sync}"
+
+
+def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> dict[str, Any]:
+    """Time to accuracy of every pairing against the synchronous baseline's final accuracy."""
+    runs = {_name(a, s, quorum): raw["runs"][f"{a}+{s}"] for a, s in PAIRINGS}
+    names = list(runs)
+    smoothed = {name: [statistics.fmean(run_["accuracy"][max(i + 1 - SMOOTHING, 0) : i + 1])
+                       for i in range(len(run_["accuracy"]))] for name, run_ in runs.items()}
+    final = {name: curve[-1] for name, curve in smoothed.items()}
+    target = final[names[0]] - 0.01
+    tta = {name: next((t for t, acc in zip(runs[name]["time_s"], curve) if acc >= target), None)
+           for name, curve in smoothed.items()}
+    both, sync_only, partial_only = names[3], names[1], names[2]
+    singles = [tta[sync_only], tta[partial_only]]
+    best_single = min((t for t in singles if t is not None), default=None)
+    speedup = (best_single / tta[both]) if best_single is not None and tta[both] is not None else None
+    return {
+        "speeds": list(speeds),
+        "pairings": names,
+        "target_accuracy": target,
+        "time_to_accuracy_s": tta,
+        "final_accuracy": final,
+        "samples_per_s": {name: run_["samples_per_s"] for name, run_ in runs.items()},
+        "train_s": {name: run_["time_s"][-1] for name, run_ in runs.items()},
+        "final_shares": {name: run_["shares"] for name, run_ in runs.items()},
+        "speedup_vs_best_single_axis": speedup,
+        "accuracy_drop_points": 100 * (final[names[0]] - final[both]),
+        "targets": {"speedup_vs_best_single_axis": 1.2, "accuracy_drop_points": 1.0},
+        "settings": raw["settings"],
+        "runs": runs,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    tta = result["time_to_accuracy_s"]
+    base = tta[result["pairings"][0]]
+    rows = [{
+        "pairing": name,
+        "time to accuracy s": "never" if tta[name] is None else tta[name],
+        "speedup": "" if tta[name] is None or base is None else base / tta[name],
+        "samples/s": result["samples_per_s"][name],
+        "train s": result["train_s"][name],
+        "final accuracy": result["final_accuracy"][name],
+        "final shares": result["final_shares"][name],
+    } for name in result["pairings"]]
+    s = result["settings"]
+    title = (f"digits ConvNet on speeds {result['speeds']}, one random rank delayed {s['straggler_ms']:g} ms per "
+             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing")
+    lines = [format_table(rows, title=title)]
+    speedup = result["speedup_vs_best_single_axis"]
+    lines.append(
+        f"time to accuracy: training seconds until rank 0's model reaches {result['target_accuracy']:.3f} (the "
+        f"synchronous run's final accuracy less one point); speedup over equal+allreduce; samples/s counts stale "
+        f"gradients too; accuracy: of rank 0's model, the mean of {SMOOTHING} snapshots {SNAPSHOT_EVERY} steps apart."
+    )
+    lines.append(
+        f"adaptive+majority reaches it {'-' if speedup is None else f'{speedup:.2f}x'} sooner than the better single "
+        f"axis (target 1.2x), {result['accuracy_drop_points']:+.1f} points from synchronous (target within 1)"
+    )
+    return "\n".join(lines)
+
+
+# --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="hetdp.bench.compose")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--speeds", required=True)
+    parser.add_argument("--straggler-ms", type=float, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--sample-cost-ms", type=float, required=True)
+    parser.add_argument("--sync-every", type=int, required=True)
+    parser.add_argument("--quorum", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    rank, world_size = init_distributed()
+    torch.set_num_threads(1)
+    emulation = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
+                          straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms,
+                          seed=args.seed)
+    progress = EventWriter(enabled=rank == 0)
+    runs = {f"{allocation}+{sync}": _train(args, allocation, sync, emulation, progress)
+            for allocation, sync in PAIRINGS}
+    if rank == 0:
+        settings = {key: value for key, value in vars(args).items() if key != "out"}
+        args.out.write_text(json.dumps({"settings": settings, "runs": runs}))
+    dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emulation,
+           progress: EventWriter) -> dict[str, Any]:
+    """One pairing in a user's loop; rank 0 keeps timed snapshots, evaluated once training is over."""
+    split = load_digits(seed=args.seed)
+    torch.manual_seed(args.seed)
+    net = ConvNet()
+    spec = (Partial(mode="quorum", quorum=args.quorum, sync_every=args.sync_every) if sync == "quorum" else
+            Partial(mode=sync, sync_every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
+    model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation)
+    loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size,
+                                       sampler=DistributedSampler(split.train, seed=args.seed)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
+    trained_s, steps = 0.0, 0
+    dist.barrier()
+    for epoch in range(args.epochs):
+        loader.sampler.set_epoch(epoch)
+        started = time.perf_counter()
+        for images, labels in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            steps += 1
+            if steps % SNAPSHOT_EVERY == 0:
+                now = time.perf_counter()
+                snapshots.append((trained_s + now - started, _copy(net)))
+                started += time.perf_counter() - now  # the copy is not training time
+            progress.update()
+        trained_s += time.perf_counter() - started  # the epoch's end, a meeting in partial pairings, included
+        snapshots.append((trained_s, _copy(net)))
+    shares = model.shares
+    model.close()
+    times, accuracies = [], []
+    for seconds, state in snapshots:
+        net.load_state_dict(state)
+        times.append(seconds)
+        accuracies.append(accuracy(net, split.test))
+    return {"time_s": times, "accuracy": accuracies, "shares": shares,
+            "samples_per_s": steps * args.global_batch / trained_s}
+
+
+def _copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
