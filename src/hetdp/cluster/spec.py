@@ -53,6 +53,14 @@ class DeviceSpec:
     """S_m: memory taken regardless of the batch (model, optimizer state, runtime), MB (>= 0)."""
     activation_mb_per_sample: float = 0.0
     """Delta S_i: extra activation memory per sample of a batch, MB (>= 0)."""
+    step_overhead_ms: float = 0.0
+    """Milliseconds every training step costs whatever its batch (>= 0). Emulation and ``hetdp bench devices`` use
+    it; the C-ADP planner does not."""
+    knee: int = 0
+    """Batch size at which throughput saturates (>= 0): a smaller forward costs as much as one of ``knee`` samples;
+    ``batch_time_s`` is then measured at or above it. Emulation only, as ``step_overhead_ms``."""
+    micro_overhead_ms: float = 0.0
+    """Milliseconds each forward and backward (micro-batch) costs on top of its samples (>= 0). Emulation only."""
 
     def __post_init__(self) -> None:
         label = f"device {self.name!r}" if isinstance(self.name, str) else "device"
@@ -64,6 +72,9 @@ class DeviceSpec:
         _check_number(label, "latency_ms", self.latency_ms)
         _check_number(label, "fixed_memory_mb", self.fixed_memory_mb)
         _check_number(label, "activation_mb_per_sample", self.activation_mb_per_sample)
+        _check_number(label, "step_overhead_ms", self.step_overhead_ms)
+        _check_int(label, "knee", self.knee, minimum=0)
+        _check_number(label, "micro_overhead_ms", self.micro_overhead_ms)
         if self.memory_mb is not None:
             _check_number(label, "memory_mb", self.memory_mb, positive=True)
             if self.memory_mb <= self.fixed_memory_mb:
