@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from hetdp.allocate.pack import CostBalance, pack_by_cost
 from hetdp.allocate.sampler import split_step
 from hetdp.errors import ConfigError
 
@@ -37,11 +38,27 @@ class StepTicket:
     block: tuple[int, ...]
     """Samples of every rank in the step."""
     rank: int
+    cost: tuple[float, ...] | None = None
+    """Cost of every rank's block, where the loader knows the samples' costs (``CostBalance``)."""
+    weights: tuple[float, ...] | None = None
+    """What every rank's gradient is weighted by, where it is not its samples (``CostBalance(mean_over="cost")``)."""
+    shares: tuple[int, ...] | None = None
+    """The shares a full cost-packed step was cut by (its ``block`` then counts samples, not shares)."""
 
     @property
     def samples(self) -> int:
         """This rank's samples: 0 means it joins the step with a stand-in batch weighted 0."""
         return self.block[self.rank]
+
+    @property
+    def work(self) -> float:
+        """This rank's work in the step, what emulation paces: its block's cost where known, else its samples."""
+        return self.samples if self.cost is None else self.cost[self.rank]
+
+    @property
+    def cut_by(self) -> tuple[int, ...]:
+        """The shares the step was cut by: for a full step, the allocation's shares at that step."""
+        return self.block if self.shares is None else self.shares
 
     @property
     def total(self) -> int:
@@ -61,10 +78,14 @@ class StepSampler:
 
     Every index list it makes is recorded as a ``StepTicket``, which the loader
     pairs with the batch when the DataLoader delivers it (workers prefetch ahead).
+
+    With ``cost`` (variable-length data), the shares are parts of each step's cost,
+    not of its samples: the step's samples are packed so that each rank's block
+    costs its part (``pack_by_cost``), unless ``cost.pack`` is False.
     """
 
     def __init__(self, dataset_size: int, global_batch: int, rank: int, *, shares_at: Callable[[int], list[int]],
-                 shuffle: bool, seed: int, drop_last: bool) -> None:
+                 shuffle: bool, seed: int, drop_last: bool, cost: CostBalance | None = None) -> None:
         if dataset_size < 1:
             raise ConfigError("the dataset is empty")
         self.dataset_size = dataset_size
@@ -74,6 +95,9 @@ class StepSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if cost is not None and len(cost.cost) != dataset_size:
+            raise ConfigError(f"cost gives {len(cost.cost)} sample costs for a dataset of {dataset_size} samples")
+        self.cost = cost
         self.epoch = 0
         self.start = 0
         """The first step of the epoch to produce (a resumed epoch skips those done)."""
@@ -107,15 +131,39 @@ class StepSampler:
             first = index * self.global_batch
             count = min(self.global_batch, self.dataset_size - first)
             shares = self.shares_at(self.next_step)
-            block = tuple(split_step(shares, count))
-            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank)
+            if self.cost is not None:
+                blocks, extra = self._cut_by_cost(order[first : first + count], shares)
+                block = tuple(len(indices) for indices in blocks)
+            else:
+                block, extra = tuple(split_step(shares, count)), {}
+                offset = first + sum(block[: self.rank])
+                blocks = {self.rank: order[offset : offset + block[self.rank]]}
+            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank,
+                                **extra)
             self.tickets.append(ticket)
             self.next_step += 1
-            offset = first + sum(block[: self.rank])
-            yield order[offset : offset + block[self.rank]] if block[self.rank] else [order[first]]
+            yield blocks[self.rank] if block[self.rank] else [order[first]]
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start
+
+    def _cut_by_cost(self, indices: list[int], shares: list[int]) -> tuple[list[list[int]], dict[str, Any]]:
+        """Every rank's dataset indices of a step, and the ticket's cost fields."""
+        assert self.cost is not None
+        costs = [self.cost.cost[i] for i in indices]
+        full = len(indices) == self.global_batch
+        if self.cost.pack:
+            positions = pack_by_cost(costs, shares)
+        else:
+            counts, start = split_step(shares, len(indices)), 0
+            positions = []
+            for count in counts:
+                positions.append(list(range(start, start + count)))
+                start += count
+        blocks = [[indices[p] for p in block] for block in positions]
+        spent = tuple(float(sum(costs[p] for p in block)) for block in positions)
+        return blocks, {"cost": spent, "weights": spent if self.cost.mean_over == "cost" else None,
+                        "shares": tuple(shares) if full and self.cost.pack else None}
 
 
 def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tuple[bool, int]:
@@ -158,7 +206,7 @@ class AllocatedLoader:
     """
 
     def __init__(self, model: DistributedDataParallel, loader: DataLoader, *, global_batch: int,
-                 shuffle: bool | None = None, seed: int | None = None) -> None:
+                 shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError("allocate() needs a map-style dataset (with __len__ and __getitem__), "
@@ -167,7 +215,7 @@ class AllocatedLoader:
         self.original = loader
         self.model = model
         self.sampler = StepSampler(len(dataset), global_batch, model.rank, shares_at=model.shares_at,
-                                   shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+                                   shuffle=shuffle, seed=seed, drop_last=loader.drop_last, cost=cost)
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}
