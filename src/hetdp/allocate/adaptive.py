@@ -72,13 +72,14 @@ class AdaptiveAllocator:
     device, which a frozen allocation would leave as the straggler for good.
 
     With ``rule="piecewise"`` (beyond the paper), a re-plan is not proportional
-    to speed: each rank's step time is fitted to the times it measured at the
-    shares it was given (``fit_step_time``: a fixed cost, a cost per micro-batch
-    of ``chunks[i]`` samples, a cost per sample), and the new shares are the exact
-    min-max ones for those fits (``min_max_shares``). Where time is not
-    proportional to the share (fixed costs, the jumps of micro-batching) the
-    paper's fixed point is not the fastest step, or its rule oscillates around a
-    jump; the fit learns the jump from the measurements on both sides of it.
+    to speed: a rank that runs micro-batches of ``chunks[i]`` samples gets a step
+    time through its latest measurement plus a fitted cost per micro-batch
+    (``fit_step_time``), and the new shares are the exact min-max ones for those
+    times (``min_max_shares``). Where one more sample means one more micro-batch,
+    time jumps and no shares equalize the ranks: the paper's rule then stalls
+    before the jump or oscillates around it, while the fit learns the jump from
+    the measurements on both sides of it. Ranks without micro-batches keep the
+    paper's proportional model, so without any the two rules plan alike.
 
     ``caps`` (per rank, None: no cap) bound the shares from above under either
     rule: a loop that runs each share as one forward cannot exceed its memory.

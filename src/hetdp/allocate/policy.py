@@ -78,8 +78,8 @@ class Adaptive:
     """Steps between drift checks once stable."""
     rule: Literal["paper", "piecewise"] = "paper"
     """How a re-plan sets shares: "paper", proportional to measured speed (task-allocation paper, eq. 10);
-    "piecewise", the exact min-max shares for each rank's step time fitted to its measurements (a fixed cost, a
-    cost per micro-batch, a cost per sample): for devices whose time is not proportional to the share."""
+    "piecewise", the exact min-max shares for step times that count each rank's micro-batches, each one's cost
+    fitted to the measurements: for memory caps that split shares, where the paper's rule stalls at a jump."""
 
     def __post_init__(self) -> None:
         if self.weights is not None:

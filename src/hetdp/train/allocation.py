@@ -75,8 +75,8 @@ class AllocationConfig:
     """Adaptive only: once stable, plan again when a rank runs this fraction slower or faster, sustained;
     None: stop re-planning once stable, as in the paper."""
     rule: Literal["paper", "piecewise"] = "paper"
-    """Adaptive only: "paper" re-plans proportionally to measured speed (eq. 10); "piecewise" fits each rank's
-    step time (fixed cost, cost per micro-batch, cost per sample) and takes the exact min-max shares for it."""
+    """Adaptive only: "paper" re-plans proportionally to measured speed (eq. 10); "piecewise" counts each rank's
+    micro-batches in its step time, each one's cost fitted to the measurements, and takes the exact min-max shares."""
     seed: int = 0
     """Seed of the per-epoch shuffle; every rank must use the same."""
     drop_last: bool = False
