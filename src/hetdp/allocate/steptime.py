@@ -90,4 +90,4 @@ def fit_step_time(points: Sequence[tuple[int, float]], chunk: int | None = None)
         per_forward = float(coefficients[0] / forwards[0])
     latest_forwards = max(1, math.ceil(latest_share / chunk))
     per_forward = min(per_forward, latest_s / latest_forwards)  # the latest point's time bounds its parts
-    return StepTime(per_forward, (latest_s - per_forward * latest_forwards) / latest_share, chunk)
+    return StepTime(per_forward, max(0.0, latest_s - per_forward * latest_forwards) / latest_share, chunk)

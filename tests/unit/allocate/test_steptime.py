@@ -63,3 +63,10 @@ def test_bad_points_are_config_errors(points):
 
 def test_table_puts_inf_above_the_cap():
     assert StepTime(0.0, 1.0, None).table(4, cap=2) == [0.0, 1.0, 2.0, float("inf"), float("inf")]
+
+
+@given(points=st.lists(st.tuples(st.integers(1, 200), st.floats(1e-4, 1.0)), min_size=1, max_size=6),
+       chunk=st.one_of(st.none(), st.integers(1, 64)))
+def test_any_fit_never_decreases_with_the_share(points, chunk):
+    table = fit_step_time(points, chunk).table(300)
+    assert all(later >= earlier for earlier, later in zip(table, table[1:]))
