@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,3 +79,19 @@ def test_the_trainer_takes_each_ranks_emulated_cap_and_runs_micro_batches_under_
         trainer = figures["trainer"]
         assert trainer["caps"] == [3, 5, None] and trainer["shares"] == [8, 8, 8]
         assert trainer["forwards"] == [3, 2, 1][rank]  # ceil(8 / cap) near-equal micro-batches
+
+
+def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path):
+    table = tmp_path / "devices.toml"
+    table.write_text(
+        '[[devices]]\nname = "big"\nbatch_size = 8\nbatch_time_s = 0.004\n'
+        '[[devices]]\nname = "small"\nbatch_size = 8\nbatch_time_s = 0.016\nmemory_mb = 1000\n'
+        "fixed_memory_mb = 100\nactivation_mb_per_sample = 150\nstep_overhead_ms = 2\n"
+    )
+    script = Path(__file__).parent / "workers" / "devices_script.py"
+    command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--devices", str(table), str(script)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "rank 0: caps [None, 6]" in completed.stdout and "rank 1: caps [None, 6]" in completed.stdout
+    schedule = json.loads(completed.stdout.split("rank 0:")[1].split("schedule ")[1].splitlines()[0])
+    assert all(shares[1] <= 6 and sum(shares) == 16 for shares in schedule)
