@@ -6,7 +6,9 @@ rule (task-allocation paper, eq. 10) and with the piecewise rule. A run's
 figure is its steady step under the device model, at the shares it reached,
 against the ideal: the exact minimizer of the slowest rank's step time over
 integer shares (``min_max_shares``). The measured step compute is reported
-beside it; on a shared machine it also holds the processes' contention.
+beside it; on a shared machine it also holds the processes' contention. Each
+rule is also replayed without processes on the device model's exact times
+(``noise_free``): where a rule stalls, timing noise can hide or cause it.
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -27,7 +29,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
+from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.minmax import min_max_shares, step_time_of
+from hetdp.allocate.policy import Adaptive
 from hetdp.cluster.devices import device_model, device_table, per_sample_ms, read_device_table
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.spec import ClusterSpec
@@ -111,6 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "efficiency": min(table["rules"]["piecewise"]["efficiency"] for table in results.values()),
         "efficiency_paper_rule": min(table["rules"]["paper"]["efficiency"] for table in results.values()),
+        "efficiency_noise_free": min(table["rules"]["piecewise"]["noise_free"] for table in results.values()),
+        "efficiency_paper_rule_noise_free": min(table["rules"]["paper"]["noise_free"] for table in results.values()),
         "efficiency_measured": min(table["rules"]["piecewise"]["efficiency_measured"] for table in results.values()),
         "tables": results,
         "settings": {**size, "note": "efficiency: ideal step / steady step under the device model at the shares "
@@ -137,8 +143,25 @@ def step_tables(cluster: ClusterSpec, global_batch: int) -> list[list[float]]:
             for device, ms in zip(cluster.devices, per_sample_ms(cluster))]
 
 
+def noise_free(rows: list[list[float]], chunks: list[int | None], global_batch: int, rule: str,
+               updates: int = 24) -> float:
+    """Efficiency of a rule re-planning on the device model's exact times (the trainer's defaults, no processes):
+    the ideal step over the mean step of the second half of ``updates`` re-plans."""
+    policy = Adaptive(rule=rule)  # type: ignore[arg-type]
+    allocator = AdaptiveAllocator(len(rows), global_batch, 1, tolerance=policy.tolerance, patience=policy.patience,
+                                  drift=policy.drift, sustain=policy.sustain, rule=rule,  # type: ignore[arg-type]
+                                  chunks=chunks)
+    steps_ms = []
+    for _ in range(updates):
+        steps_ms.append(step_time_of(rows, allocator.shares))
+        allocator.update([rows[rank][share] / 1000 for rank, share in enumerate(allocator.shares)])
+    ideal_ms = step_time_of(rows, min_max_shares(rows, global_batch, minimum=1))
+    return ideal_ms / statistics.fmean(steps_ms[updates // 2 :])
+
+
 def summarize_table(cluster: ClusterSpec, global_batch: int, raw: dict[str, Any], note: str) -> dict[str, Any]:
     rows = step_tables(cluster, global_batch)
+    caps = [device_model(device).max_batch for device in cluster.devices]
     ideal_shares = min_max_shares(rows, global_batch, minimum=1)
     ideal_ms = step_time_of(rows, ideal_shares)
     rules = {}
@@ -153,8 +176,9 @@ def summarize_table(cluster: ClusterSpec, global_batch: int, raw: dict[str, Any]
             "measured_ms": measured_ms,
             "final_shares": steps[-1]["shares"],
             "replans": raw["replans"][rule],
+            "noise_free": noise_free(rows, caps, global_batch, rule),
         }
-    return {"devices": cluster.names, "caps": [device_model(d).max_batch for d in cluster.devices],
+    return {"devices": cluster.names, "caps": caps,
             "global_batch": global_batch, "ideal_ms": ideal_ms, "ideal_shares": ideal_shares, "note": note,
             "rules": rules}
 
@@ -166,13 +190,16 @@ def render(result: dict[str, Any]) -> str:
         "ideal ms": table["ideal_ms"],
         "steady ms": figures["steady_ms"],
         "efficiency": figures["efficiency"],
+        "noise-free": figures["noise_free"],
         "measured ms": figures["measured_ms"],
         "final shares": figures["final_shares"],
         "ideal shares": table["ideal_shares"],
     } for name, table in result["tables"].items() for rule, figures in table["rules"].items()]
     lines = [format_table(rows, title="adaptive allocation on emulated devices: paper's rule vs piecewise rule")]
     lines.append(f"efficiency (smallest over tables): piecewise {result['efficiency']:.3f}, "
-                 f"paper's rule {result['efficiency_paper_rule']:.3f}; measured {result['efficiency_measured']:.3f}")
+                 f"paper's rule {result['efficiency_paper_rule']:.3f}; measured {result['efficiency_measured']:.3f}; "
+                 f"noise-free replay: piecewise {result['efficiency_noise_free']:.3f}, "
+                 f"paper's rule {result['efficiency_paper_rule_noise_free']:.3f}")
     return "\n".join(lines)
 
 
