@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from hetdp import apportion
 from hetdp.train.loader import StepSampler
@@ -90,7 +89,7 @@ def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path
     )
     script = Path(__file__).parent / "workers" / "devices_script.py"
     command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--devices", str(table), str(script)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "rank 0: caps [None, 6]" in completed.stdout and "rank 1: caps [None, 6]" in completed.stdout
     schedule = json.loads(completed.stdout.split("rank 0:")[1].split("schedule ")[1].splitlines()[0])

@@ -212,7 +212,7 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     settings = json.loads(args.settings.read_text())
-    rank, world_size = init_distributed()
+    rank, _ = init_distributed()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "cluster.toml"

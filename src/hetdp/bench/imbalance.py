@@ -169,9 +169,9 @@ def render(result: dict[str, Any]) -> str:
     balance_title = (f"hetdp.DDP on random global batches of {s['batch'] * result['nproc']} sequences: count- vs "
                      f"cost-balanced steps (step spread: (slowest - fastest) / slowest rank's compute, mean over "
                      f"steps); unequal speeds {list(result['balance_speeds']['unequal'])}")
-    return "\n\n".join([format_table(rows, title=title), format_table(balance_rows, title=balance_title),
-                         f"speedup of cost- over count-balanced steps: {result['speedup_cost_vs_count']:.3f} "
-                         f"(the smaller of equal and unequal speeds)"])
+    speedup = (f"speedup of cost- over count-balanced steps: {result['speedup_cost_vs_count']:.3f} "
+               f"(the smaller of equal and unequal speeds)")
+    return "\n\n".join([format_table(rows, title=title), format_table(balance_rows, title=balance_title), speedup])
 
 
 # --- the worker: runs under torchrun, one process per rank -------------------------------------------------------

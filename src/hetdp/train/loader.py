@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -132,38 +133,37 @@ class StepSampler:
             count = min(self.global_batch, self.dataset_size - first)
             shares = self.shares_at(self.next_step)
             if self.cost is not None:
-                blocks, extra = self._cut_by_cost(order[first : first + count], shares)
-                block = tuple(len(indices) for indices in blocks)
-            else:
-                block, extra = tuple(split_step(shares, count)), {}
-                offset = first + sum(block[: self.rank])
-                blocks = {self.rank: order[offset : offset + block[self.rank]]}
-            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank,
-                                **extra)
+                yield self._cost_step(order[first : first + count], shares, index)
+                continue
+            block = tuple(split_step(shares, count))
+            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank)
             self.tickets.append(ticket)
             self.next_step += 1
-            yield blocks[self.rank] if block[self.rank] else [order[first]]
+            offset = first + sum(block[: self.rank])
+            yield order[offset : offset + block[self.rank]] if block[self.rank] else [order[first]]
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start
 
-    def _cut_by_cost(self, indices: list[int], shares: list[int]) -> tuple[list[list[int]], dict[str, Any]]:
-        """Every rank's dataset indices of a step, and the ticket's cost fields."""
+    def _cost_step(self, indices: list[int], shares: list[int], index: int) -> list[int]:
+        """This rank's indices of a step of ``indices``, cut by cost (or by count, costs kept), and its ticket."""
         assert self.cost is not None
         costs = [self.cost.cost[i] for i in indices]
-        full = len(indices) == self.global_batch
         if self.cost.pack:
             positions = pack_by_cost(costs, shares)
         else:
-            counts, start = split_step(shares, len(indices)), 0
-            positions = []
-            for count in counts:
-                positions.append(list(range(start, start + count)))
-                start += count
-        blocks = [[indices[p] for p in block] for block in positions]
+            counts = split_step(shares, len(indices))
+            positions = [list(range(end - count, end)) for end, count in zip(itertools.accumulate(counts), counts)]
         spent = tuple(float(sum(costs[p] for p in block)) for block in positions)
-        return blocks, {"cost": spent, "weights": spent if self.cost.mean_over == "cost" else None,
-                        "shares": tuple(shares) if full and self.cost.pack else None}
+        full = len(indices) == self.global_batch
+        ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, rank=self.rank,
+                            block=tuple(len(block) for block in positions), cost=spent,
+                            weights=spent if self.cost.mean_over == "cost" else None,
+                            shares=tuple(shares) if full and self.cost.pack else None)
+        self.tickets.append(ticket)
+        self.next_step += 1
+        mine = [indices[p] for p in positions[self.rank]]
+        return mine or [indices[0]]
 
 
 def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tuple[bool, int]:

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -69,4 +71,4 @@ def test_table_puts_inf_above_the_cap():
        chunk=st.one_of(st.none(), st.integers(1, 64)))
 def test_any_fit_never_decreases_with_the_share(points, chunk):
     table = fit_step_time(points, chunk).table(300)
-    assert all(later >= earlier for earlier, later in zip(table, table[1:]))
+    assert all(later >= earlier for earlier, later in itertools.pairwise(table))
