@@ -322,8 +322,9 @@ class AllocatedTrainer:
         if state.get("world_size") != self.world_size:
             raise CheckpointError(f"{path} was written by {state.get('world_size')} ranks, this run has "
                                   f"{self.world_size}")
+        # A field the checkpoint lacks is newer than the checkpoint: there is nothing to compare it with.
         changed = sorted(key for key, value in asdict(self.config).items()
-                         if _comparable(state["config"].get(key)) != _comparable(value))
+                         if _comparable(state["config"].get(key, value)) != _comparable(value))
         if changed:
             raise CheckpointError(f"{path} was written with another config: {', '.join(changed)} differ")
         self.model.module.load_state_dict(state["model"])
