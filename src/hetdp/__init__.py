@@ -8,9 +8,12 @@ synchronization (how contributions combine: allreduce, partial, local).
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
+from hetdp.allocate.minmax import min_max_shares
+from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.planner import DevicePlan, Plan, plan
 from hetdp.allocate.policy import Adaptive, Equal, Planned, Static
 from hetdp.allocate.sampler import WeightedDistributedSampler
+from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
@@ -35,7 +38,9 @@ __all__ = [
     "CheckpointError",
     "ClusterSpec",
     "ConfigError",
+    "CostBalance",
     "DDP",
+    "DeviceModel",
     "DevicePlan",
     "DeviceSpec",
     "DistributedDataParallel",
@@ -61,6 +66,7 @@ __all__ = [
     "WeightedDistributedSampler",
     "apportion",
     "init_distributed",
+    "min_max_shares",
     "plan",
     "probe_cluster",
     "train_cadp",

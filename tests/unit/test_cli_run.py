@@ -33,6 +33,11 @@ def script(tmp_path):
         (["--speeds", "1,nan"], "got 'nan' (rank 1)"),
         (["--stragglers", "x"], "stragglers must look like K:DELAY_MS"),
         (["--stragglers", "3:10"], "--stragglers asks for 3 delayed ranks among 2 processes"),
+        (["--knee", "4,x"], "--knee must be integers >= 0, got 'x' (rank 1)"),
+        (["--max-batch", "4"], "--max-batch gives 1 values for 2 processes"),
+        (["--step-overhead-ms", "1,2"], "give sample_cost_ms > 0"),
+        (["--devices", "missing.toml"], "cannot read device table 'missing.toml'"),
+        (["--devices", "t.toml", "--speeds", "1,2"], "--devices gives every rank's speed"),
     ],
 )
 def test_bad_emulation_flags_exit_2_with_one_line(capsys, script, flags, message):

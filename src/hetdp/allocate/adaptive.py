@@ -1,26 +1,42 @@
-"""The self-adaptive allocation rule (task-allocation paper, eq. 10) and the state around it."""
+"""The self-adaptive allocation rule (task-allocation paper, eq. 10), a piecewise refinement, and the state around
+them."""
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from scipy import stats
 
 from hetdp.allocate.apportion import apportion, apportion_min_max
+from hetdp.allocate.minmax import min_max_shares
+from hetdp.allocate.steptime import StepTime, fit_step_time
 from hetdp.errors import ConfigError
 
+POINTS_PER_RANK = 6
+"""Measured shares a rank's fitted step time remembers (the latest); older ones may predate a change of speed."""
 
-def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minimum: int = 1) -> list[int]:
+
+def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minimum: int = 1, *,
+              caps: Sequence[int | None] | None = None) -> list[int]:
     """Self-adaptive rule: new share proportional to measured speed (share / seconds).
 
     Task-allocation paper, eq. 10: ``w_i <- C * (w_i / t_i) / sum_j (w_j / t_j)``,
     rounded so the shares still sum to ``total`` (C), each the floor or ceiling of
     its exact value, the leftover units placed where they lengthen the step least
-    (``apportion_min_max``; the paper only says it rounds).
+    (``apportion_min_max``; the paper only says it rounds). With ``caps``, no share
+    exceeds its cap and the others take the rest in proportion.
     """
-    return apportion_min_max(measured_speeds(shares, seconds), total, minimum)
+    return apportion_min_max(measured_speeds(shares, seconds), total, minimum, caps=caps)
+
+
+def replan_piecewise(models: Sequence[StepTime], total: int, minimum: int = 1, *,
+                     caps: Sequence[int | None] | None = None) -> list[int]:
+    """The piecewise rule: the exact min-max shares (``min_max_shares``) for fitted step times (``StepTime``)."""
+    limits = caps or [None] * len(models)
+    return min_max_shares([model.table(total, cap) for model, cap in zip(models, limits)], total, minimum)
 
 
 def measured_speeds(shares: Sequence[int], seconds: Sequence[float]) -> list[float]:
@@ -57,6 +73,19 @@ class AdaptiveAllocator:
     or faster for ``sustain`` updates in a row: a co-tenant job or a throttled
     device, which a frozen allocation would leave as the straggler for good.
 
+    With ``rule="piecewise"`` (beyond the paper), a re-plan is not proportional
+    to speed: a rank that runs micro-batches of ``chunks[i]`` samples gets a step
+    time through its latest measurement plus a fitted cost per micro-batch
+    (``fit_step_time``), and the new shares are the exact min-max ones for those
+    times (``min_max_shares``). Where one more sample means one more micro-batch,
+    time jumps and no shares equalize the ranks: the paper's rule then stalls
+    before the jump or oscillates around it, while the fit learns the jump from
+    the measurements on both sides of it. Ranks without micro-batches keep the
+    paper's proportional model, so without any the two rules plan alike.
+
+    ``caps`` (per rank, None: no cap) bound the shares from above under either
+    rule: a loop that runs each share as one forward cannot exceed its memory.
+
     The allocator is pure state: the caller gathers the times from every rank, and
     every rank holding the same times computes the same shares.
 
@@ -83,6 +112,9 @@ class AdaptiveAllocator:
         verify: bool = True,
         drift: float | None = None,
         sustain: int = 2,
+        rule: Literal["paper", "piecewise"] = "paper",
+        caps: Sequence[int | None] | None = None,
+        chunks: Sequence[int | None] | None = None,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -98,6 +130,11 @@ class AdaptiveAllocator:
             raise ConfigError(f"sustain must be >= 1 update, got {sustain}")
         if initial is not None and len(initial) != world_size:
             raise ConfigError(f"initial gives {len(initial)} weights for {world_size} ranks")
+        if rule not in ("paper", "piecewise"):
+            raise ConfigError(f"rule must be paper or piecewise, got {rule!r}")
+        for name, values in (("caps", caps), ("chunks", chunks)):
+            if values is not None and len(values) != world_size:
+                raise ConfigError(f"{name} gives {len(values)} values for {world_size} ranks")
         self.total = total
         self.minimum = minimum
         self.smoothing = smoothing
@@ -107,7 +144,12 @@ class AdaptiveAllocator:
         self.verify = verify
         self.drift = drift
         self.sustain = sustain
-        self.shares = apportion(initial or [1.0] * world_size, total, minimum)
+        self.rule = rule
+        self.caps = None if caps is None else list(caps)
+        self.chunks = list(chunks) if chunks is not None else [None] * world_size
+        self.shares = apportion(initial or [1.0] * world_size, total, minimum, caps=self.caps)
+        self.points: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(world_size)]
+        """Per rank, the seconds per step measured at each share it computed (the latest ``POINTS_PER_RANK``)."""
         self.speeds: list[float] | None = None
         self.trial: tuple[list[int], float] | None = None
         """While a re-plan is on trial: the shares it replaced and their measured step seconds."""
@@ -149,6 +191,7 @@ class AdaptiveAllocator:
             if self.drift is None or not self._drifted(measured, steps, step_cv):
                 return list(self.shares)
             self._restart()
+        self._record(compute_seconds, steps)
         if step_cv is not None:
             if not (math.isfinite(step_cv) and step_cv >= 0):
                 raise ConfigError(f"step_cv must be a finite fraction >= 0, got {step_cv!r}")
@@ -166,16 +209,15 @@ class AdaptiveAllocator:
                 self._calm(measured)
                 return list(self.shares)
             self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
-        speeds = measured
-        if self.speeds is not None and self.smoothing:
-            speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, measured)]
-            new_shares = rebalance(window_shares, [w / v for w, v in zip(window_shares, speeds)], self.total,
-                                   self.minimum)
+        if self.rule == "piecewise":
+            models = self.models()
+            new_shares = replan_piecewise(models, self.total, self.minimum, caps=self.caps)
+            smoothed_step_s = max(model.seconds(share) for model, share in zip(models, self.shares))
+            predicted_step_s = max(model.seconds(share) for model, share in zip(models, new_shares))
+            self.speeds = measured
         else:
-            new_shares = rebalance(window_shares, compute_seconds, self.total, self.minimum)
-        self.speeds = speeds
-        smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
-        predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
+            new_shares, smoothed_step_s, predicted_step_s = self._proportional(window_shares, measured,
+                                                                              compute_seconds)
         # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
         # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
         confidence = 1.0 - 0.025 / len(self.shares)
@@ -190,6 +232,35 @@ class AdaptiveAllocator:
                 self.trial = (self.shares, step_s)
             self._set_shares(new_shares)
         return list(self.shares)
+
+    def _proportional(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float]
+                      ) -> tuple[list[int], float, float]:
+        """The paper's re-plan on (smoothed) speeds: new shares, the step's seconds now and predicted under them."""
+        speeds = measured
+        if self.speeds is not None and self.smoothing:
+            speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, measured)]
+            new_shares = rebalance(window_shares, [w / v for w, v in zip(window_shares, speeds)], self.total,
+                                   self.minimum, caps=self.caps)
+        else:
+            new_shares = rebalance(window_shares, compute_seconds, self.total, self.minimum, caps=self.caps)
+        self.speeds = speeds
+        smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
+        predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
+        return new_shares, smoothed_step_s, predicted_step_s
+
+    def _record(self, compute_seconds: Sequence[float], steps: int) -> None:
+        """Remember each rank's seconds per step at its current share (the piecewise rule's points)."""
+        for points, share, seconds in zip(self.points, self.shares, compute_seconds):
+            if share > 0:
+                points.pop(share, None)
+                points[share] = seconds / steps
+                while len(points) > POINTS_PER_RANK:
+                    points.popitem(last=False)
+
+    def models(self) -> list[StepTime]:
+        """Each rank's step time fitted to its measured points (the piecewise rule's model)."""
+        return [fit_step_time(list(points.items()) or [(1, 1.0)], chunk)
+                for points, chunk in zip(self.points, self.chunks)]
 
     def _calm(self, measured: list[float]) -> None:
         self.calm_updates += 1
@@ -211,6 +282,7 @@ class AdaptiveAllocator:
         self.speeds = self.trial = self.settled_speeds = None
         self.rejected = []
         self.noise_cv, self._noise_reports, self._noise_dof = 0.0, 0, 0
+        self.points = [OrderedDict() for _ in self.points]
         self.restarts += 1
 
     def _set_shares(self, shares: list[int]) -> None:
@@ -231,6 +303,7 @@ class AdaptiveAllocator:
             "settled_speeds": self.settled_speeds,
             "drifted_updates": self.drifted_updates,
             "restarts": self.restarts,
+            "points": [list(points.items()) for points in self.points],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -252,3 +325,5 @@ class AdaptiveAllocator:
         self.settled_speeds = state.get("settled_speeds")
         self.drifted_updates = int(state.get("drifted_updates", 0))
         self.restarts = int(state.get("restarts", 0))
+        self.points = [OrderedDict((int(share), float(seconds)) for share, seconds in points)
+                       for points in state.get("points", [[] for _ in self.points])]

@@ -9,26 +9,31 @@ from collections.abc import Sequence
 from hetdp.errors import ConfigError
 
 
-def apportion(weights: Sequence[float], total: int, minimum: int = 1) -> list[int]:
+def apportion(weights: Sequence[float], total: int, minimum: int = 1, *,
+              caps: Sequence[int | None] | None = None) -> list[int]:
     """Split ``total`` into integers proportional to ``weights``, each at least ``minimum``.
 
     Largest-remainder (Hamilton) method on what is left after every share gets
     its minimum, so the shares always sum to ``total`` exactly and each lies
-    within one of its exact proportional value (given the minimum).
+    within one of its exact proportional value (given the minimum). With ``caps``
+    (per rank, None: no cap) no share exceeds its cap: the proportional values are
+    clipped to [minimum, cap] at one common level (water-filling from both sides).
 
     Raises:
-        ConfigError: a weight is negative or not finite, all weights are zero, or
-            ``total < minimum * len(weights)``.
+        ConfigError: a weight is negative or not finite, all weights are zero,
+            ``total < minimum * len(weights)``, or ``total`` above the sum of the caps.
     """
-    quotas, shares = _quotas(weights, total, minimum)
+    quotas, shares = _quotas(weights, total, minimum, caps)
     # Largest remainders first; ties go to the larger weight, then the lower index, for determinism.
-    order = sorted(range(len(shares)), key=lambda i: (-(quotas[i] - shares[i]), -weights[i], i))
+    order = sorted((i for i in range(len(shares)) if _below_cap(shares, caps, i)),
+                   key=lambda i: (-(quotas[i] - shares[i]), -weights[i], i))
     for index in order[: total - sum(shares)]:
         shares[index] += 1
     return shares
 
 
-def apportion_min_max(speeds: Sequence[float], total: int, minimum: int = 1) -> list[int]:
+def apportion_min_max(speeds: Sequence[float], total: int, minimum: int = 1, *,
+                      caps: Sequence[int | None] | None = None) -> list[int]:
     """Like ``apportion``, but the leftover units go where they cost the least time.
 
     Each share is still the floor or the ceiling of its proportional value, but of
@@ -36,16 +41,22 @@ def apportion_min_max(speeds: Sequence[float], total: int, minimum: int = 1) -> 
     each leftover unit goes to the rank whose time after taking it is smallest.
     That is what a step waits for, so the adaptive allocator rounds this way.
     """
-    _, shares = _quotas(speeds, total, minimum)
+    _, shares = _quotas(speeds, total, minimum, caps)
     # Each rank is rounded up at most once: the leftover units go to the ranks whose time after one more is least.
-    cost_of_one_more = [((shares[i] + 1) / speeds[i], i) for i in range(len(shares)) if speeds[i] > 0]
+    cost_of_one_more = [((shares[i] + 1) / speeds[i], i) for i in range(len(shares))
+                        if speeds[i] > 0 and _below_cap(shares, caps, i)]
     for _, index in heapq.nsmallest(total - sum(shares), cost_of_one_more):
         shares[index] += 1
     return shares
 
 
-def _quotas(weights: Sequence[float], total: int, minimum: int) -> tuple[list[float], list[int]]:
-    """Validate; return each share's exact proportional value and its floor (minimum included)."""
+def _below_cap(shares: list[int], caps: Sequence[int | None] | None, index: int) -> bool:
+    return caps is None or caps[index] is None or shares[index] < caps[index]  # type: ignore[operator]
+
+
+def _quotas(weights: Sequence[float], total: int, minimum: int,
+            caps: Sequence[int | None] | None = None) -> tuple[list[float], list[int]]:
+    """Validate; return each share's exact proportional value and its floor (minimum and caps included)."""
     count = len(weights)
     if count == 0:
         raise ConfigError("apportion needs at least one weight")
@@ -58,6 +69,8 @@ def _quotas(weights: Sequence[float], total: int, minimum: int) -> tuple[list[fl
         raise ConfigError(f"total {total} cannot give {count} shares of at least {minimum}")
     if math.fsum(weights) <= 0:
         raise ConfigError(f"weights must not all be zero, got {list(weights)}")
+    if caps is not None and any(cap is not None for cap in caps):
+        return _capped_quotas(weights, total, minimum, caps)
     # Proportional values, with any below the minimum pinned to it and the rest re-split (water-filling),
     # so a minimum that binds for one rank does not skew the others: [1, 1, 2, 4] of 128 is 16, 16, 32, 64.
     pinned: set[int] = set()
@@ -69,3 +82,45 @@ def _quotas(weights: Sequence[float], total: int, minimum: int) -> tuple[list[fl
         if not below:
             return quotas, [math.floor(quota) for quota in quotas]
         pinned |= below
+
+
+def _capped_quotas(weights: Sequence[float], total: int, minimum: int,
+                   caps: Sequence[int | None]) -> tuple[list[float], list[int]]:
+    """Quotas ``clip(level * weight, minimum, cap)`` summing to ``total``, the level solved exactly.
+
+    The sum is continuous, piecewise linear and non-decreasing in the level, with
+    breakpoints where a rank meets its minimum or its cap: find the segment where
+    it reaches ``total`` and solve that segment's linear equation.
+    """
+    if len(caps) != len(weights):
+        raise ConfigError(f"caps gives {len(caps)} values for {len(weights)} weights")
+    limits = [math.inf if cap is None else cap for cap in caps]
+    for index, cap in enumerate(limits):
+        if cap < minimum:
+            raise ConfigError(f"caps must be >= the minimum {minimum}, got {cap} at index {index}")
+    room = sum(minimum if weight == 0 else cap for weight, cap in zip(weights, limits))
+    if total > room:
+        raise ConfigError(f"total {total} exceeds the sum of the caps, {room} (caps {list(caps)})")
+
+    def quota(weight: float, cap: float, level: float) -> float:
+        # Compared with the breakpoints as computed below, so that at a rank's breakpoint it is exactly at its bound.
+        if weight == 0 or level <= minimum / weight:
+            return float(minimum)
+        return float(cap) if level >= cap / weight else level * weight
+
+    def quotas_at(level: float) -> list[float]:
+        return [quota(weight, cap, level) for weight, cap in zip(weights, limits)]
+
+    breaks = sorted({0.0} | {bound / weight for weight, cap in zip(weights, limits) if weight > 0
+                             for bound in (minimum, cap) if math.isfinite(bound)})
+    low = 0.0
+    for high in breaks:
+        if math.fsum(quotas_at(high)) >= total:
+            break
+        low = high
+    else:  # past the last break the uncapped ranks grow without bound
+        high = low + total / min(weight for weight, cap in zip(weights, limits) if weight > 0 and cap == math.inf)
+    at_low, at_high = math.fsum(quotas_at(low)), math.fsum(quotas_at(high))
+    level = high if at_high == at_low else low + (total - at_low) * (high - low) / (at_high - at_low)
+    quotas = quotas_at(level)
+    return quotas, [min(math.floor(quota + 1e-9), int(min(cap, total))) for quota, cap in zip(quotas, limits)]

@@ -4,7 +4,7 @@
 measured compute times, task-allocation paper) and ``Planned`` (the C-ADP
 optimizer on a cluster description) all give per-rank shares of a fixed global
 batch; only ``Adaptive`` changes them as it measures. Strings name the common
-ones: ``"equal"``, ``"adaptive"``, ``"static:W1,W2,..."``.
+ones: ``"equal"``, ``"adaptive"``, ``"adaptive:piecewise"``, ``"static:W1,W2,..."``.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class Adaptive:
     """Drift checks in a row that must see the change."""
     watch_every: int = 4
     """Steps between drift checks once stable."""
+    rule: Literal["paper", "piecewise"] = "paper"
+    """How a re-plan sets shares: "paper", proportional to measured speed (task-allocation paper, eq. 10);
+    "piecewise", the exact min-max shares for step times that count each rank's micro-batches, each one's cost
+    fitted to the measurements: for memory caps that split shares, where the paper's rule stalls at a jump."""
 
     def __post_init__(self) -> None:
         if self.weights is not None:
@@ -92,9 +96,11 @@ class Adaptive:
                 raise ConfigError(f"{name} must be an integer >= 0 steps, got {value!r}")
         if self.watch_every < 1:
             raise ConfigError(f"watch_every must be >= 1 step, got {self.watch_every}")
+        if self.rule not in ("paper", "piecewise"):
+            raise ConfigError(f"rule must be paper or piecewise, got {self.rule!r}")
 
     def describe(self) -> str:
-        return "adaptive"
+        return "adaptive" if self.rule == "paper" else f"adaptive:{self.rule}"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -117,8 +123,9 @@ AllocationPolicy = Equal | Static | Adaptive | Planned
 
 
 def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationPolicy:
-    """The spec for ``spec``: a policy as is, ``"equal"``, ``"adaptive"``, ``"static:W1,W2,..."``, or None for
-    ``$HETDP_ALLOCATION`` (set by ``hetdp run --allocation``) and else ``"adaptive"``.
+    """The spec for ``spec``: a policy as is, ``"equal"``, ``"adaptive"``, ``"adaptive:piecewise"``,
+    ``"static:W1,W2,..."``, or None for ``$HETDP_ALLOCATION`` (set by ``hetdp run --allocation``) and else
+    ``"adaptive"``.
 
     Raises:
         ConfigError: an unknown name or bad weights.
@@ -134,12 +141,14 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
         return Equal()
     if spec == "adaptive":
         return Adaptive()
+    if spec == "adaptive:piecewise":
+        return Adaptive(rule="piecewise")
     if name == "static" and argument:
         try:
             return Static(tuple(float(w) for w in argument.split(",")))
         except ValueError:
             pass
-    raise ConfigError(f"allocation must be equal, adaptive or static:W1,W2,... ; got {spec!r}")
+    raise ConfigError(f"allocation must be equal, adaptive, adaptive:piecewise or static:W1,W2,... ; got {spec!r}")
 
 
 def _spread(times: Sequence[float], median: float) -> float:
@@ -154,11 +163,15 @@ class Allocator:
 
     Only an adaptive policy moves them, from the per-step compute times the caller
     gathers from every rank (``observe``); the others only say no gather is due.
-    Every rank that observes the same figures holds the same shares.
+    Every rank that observes the same figures holds the same shares. ``caps`` (per
+    rank, None: none) bound every policy's shares from above: a rank's memory
+    where the loop runs its share as one forward. ``chunks`` are the most samples
+    each rank runs per forward, for the piecewise rule's micro-batch count.
     """
 
     def __init__(self, policy: AllocationPolicy, world_size: int, total: int, *, dataset_size: int | None = None,
-                 minimum: int = 1) -> None:
+                 minimum: int = 1, caps: Sequence[int | None] | None = None,
+                 chunks: Sequence[int | None] | None = None) -> None:
         if total < minimum * world_size:
             raise ConfigError(f"a global batch of {total} cannot give {world_size} ranks {minimum} sample(s) each")
         self.policy = policy
@@ -169,11 +182,13 @@ class Allocator:
         if isinstance(policy, Adaptive):
             self.adaptive = AdaptiveAllocator(
                 world_size, total, minimum, initial=weights, smoothing=policy.smoothing, tolerance=policy.tolerance,
-                patience=policy.patience, drift=policy.drift, sustain=policy.sustain,
+                patience=policy.patience, drift=policy.drift, sustain=policy.sustain, rule=policy.rule, caps=caps,
+                chunks=chunks,
             )
             self.shares = list(self.adaptive.shares)
         else:
-            self.shares = apportion(weights or [1.0] * world_size, total, minimum if weights is None else 0)
+            self.shares = apportion(weights or [1.0] * world_size, total, minimum if weights is None else 0,
+                                    caps=caps)
         self.replans = 0
         """Times the shares changed."""
         self._window: list[list[float]] = []

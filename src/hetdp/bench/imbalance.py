@@ -1,5 +1,6 @@
 """Inherent load imbalance: an LSTM on variable-length sequences, synchronous SGD against EagerSGD solo and
-majority (the eager-SGD paper's video-classification case, section 7.3, at small scale).
+majority (the eager-SGD paper's video-classification case, section 7.3, at small scale), and count-balanced
+against cost-balanced steps of the drop-in.
 
 Sequence lengths follow the paper's UCF101 figures (29 to 1,776 frames, mean
 187, sd 97; a clipped log-normal). Each frame is a noisy view of its class's
@@ -10,6 +11,13 @@ frame, and ranks computing long and short batches side by side wait for one
 another under synchronous SGD. Figures: test accuracy against training wall
 time, the time each mode needs to reach the synchronous run's final accuracy
 (less one point), and the final accuracies (smoothed over the last epoch).
+
+The second part trains the same LSTM through ``hetdp.DDP`` on random (not
+length-bucketed) global batches, at equal and at unequal speeds, with each
+step's blocks cut by sample count or packed by cost (frames, ``CostBalance``).
+A step's compute is paced to its block's frames (packed sequences: the LSTM's
+work is their total length). Figures: samples per second, the spread of the
+ranks' compute within a step, and ``speedup_cost_vs_count``.
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -29,14 +37,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
+from hetdp.allocate.pack import CostBalance
+from hetdp.allocate.policy import Equal, Static
 from hetdp.bench.eager import synchronous_step
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
+from hetdp.train.ddp import DistributedDataParallel
 from hetdp.train.eager import EagerSGD
 
 MODES = ("sync", "solo", "majority")
@@ -46,10 +58,16 @@ STRIDE = 8
 """The LSTM reads every STRIDE-th frame; the emulated cost counts every frame."""
 FEATURES, CLASSES, HIDDEN, NOISE_SD = 16, 10, 32, 4.0
 SIZES = {
-    "full": {"nproc": 8, "train": 3072, "test": 1024, "batch": 8, "epochs": 8, "frame_ms": 1.0},
-    "quick": {"nproc": 4, "train": 768, "test": 1024, "batch": 8, "epochs": 8, "frame_ms": 0.4},
+    "full": {"nproc": 8, "train": 3072, "test": 1024, "batch": 8, "epochs": 8, "frame_ms": 1.0,
+             "balance_epochs": 3, "balance_frame_ms": 0.05},
+    "quick": {"nproc": 4, "train": 768, "test": 1024, "batch": 8, "epochs": 8, "frame_ms": 0.4,
+              "balance_epochs": 2, "balance_frame_ms": 0.05},
 }
-"""Per-rank batch of ``batch`` sequences; ``frame_ms``: emulated compute per frame of a batch's longest sequence."""
+"""Per-rank batch of ``batch`` sequences; ``frame_ms``: emulated compute per frame of a batch's longest sequence;
+``balance_frame_ms``: per frame of a block of packed sequences, at speed 1 (the count/cost part)."""
+BALANCINGS = ("count", "cost")
+UNEQUAL_SPEEDS = (1.0, 1.0, 2.0, 4.0)
+"""Speeds of the unequal runs, repeated over the ranks."""
 SNAPSHOTS_PER_EPOCH = 4
 PAPER = {"speedup_majority": 1.27, "speedup_solo": 1.64, "top1_sync": 69.6, "top1_majority": 69.7, "top1_solo": 60.6}
 
@@ -58,16 +76,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, help="processes, 4 to 8 (default 8; --quick 4)")
     parser.add_argument("--epochs", type=int, help="epochs per mode (default 8)")
     parser.add_argument("--frame-ms", type=float, help="emulated compute per frame (default 1.0; --quick 0.4)")
+    parser.add_argument("--balance-epochs", type=int, help="epochs per count/cost run (default 3; --quick 2)")
+    parser.add_argument("--balance-frame-ms", type=float,
+                        help="emulated compute per frame of packed sequences, count/cost runs (default 0.05)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = dict(SIZES["quick" if args.quick else "full"])
-    for key in ("nproc", "epochs", "frame_ms"):
+    for key in ("nproc", "epochs", "frame_ms", "balance_epochs", "balance_frame_ms"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)
     if not 2 <= size["nproc"] <= 16 or size["epochs"] < 1 or not size["frame_ms"] >= 0:
         raise ConfigError(f"need 2 <= --nproc <= 16, --epochs >= 1, --frame-ms >= 0; got {size['nproc']}, "
                           f"{size['epochs']}, {size['frame_ms']}")
+    if size["balance_epochs"] < 1 or not size["balance_frame_ms"] > 0:
+        raise ConfigError(f"need --balance-epochs >= 1 and --balance-frame-ms > 0; got {size['balance_epochs']}, "
+                          f"{size['balance_frame_ms']}")
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "imbalance.json"
         worker_args = ["--out", out, "--seed", args.seed] + [
@@ -97,7 +121,13 @@ def summarize(raw: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
     reach = {mode: time_to(runs[mode]["curve"] + [[runs[mode]["wall_s"], runs[mode]["end_accuracy"]]], target)
              for mode in MODES}
     wall = {mode: runs[mode]["wall_s"] for mode in MODES}
+    balance = raw["balance"]
+    speedups = {speeds: figures["cost"]["samples_per_s"] / figures["count"]["samples_per_s"]
+                for speeds, figures in balance.items()}
     return {
+        "speedup_cost_vs_count": min(speedups.values()),
+        "speedup_cost_vs_count_by_speeds": speedups,
+        "balance": balance,
         "nproc": size["nproc"],
         "target_accuracy": target,
         "time_to_target_s": reach,
@@ -111,6 +141,7 @@ def summarize(raw: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
                      "note": "quick: fewer processes and sequences, cheaper frames" if size["nproc"] < 8 else "full"},
         "paper": PAPER,
         "runs": runs,
+        "balance_speeds": raw["balance_speeds"],
     }
 
 
@@ -126,7 +157,21 @@ def render(result: dict[str, Any]) -> str:
     title = (f"LSTM on {s['train']} variable-length sequences ({s['frames']['min']}-{s['frames']['max']} frames), "
              f"{result['nproc']} processes, {s['epochs']} epochs; target = sync final accuracy - 1 point "
              f"= {result['target_accuracy']:.3f}")
-    return format_table(rows, title=title)
+    balance_rows = [{
+        "speeds": speeds,
+        "steps cut by": balancing,
+        "samples/s": figures["samples_per_s"],
+        "step spread": figures["step_spread"],
+        "wall s": figures["wall_s"],
+        "accuracy": figures["accuracy"],
+        "speedup": figures["samples_per_s"] / result["balance"][speeds]["count"]["samples_per_s"],
+    } for speeds, by_balancing in result["balance"].items() for balancing, figures in by_balancing.items()]
+    balance_title = (f"hetdp.DDP on random global batches of {s['batch'] * result['nproc']} sequences: count- vs "
+                     f"cost-balanced steps (step spread: (slowest - fastest) / slowest rank's compute, mean over "
+                     f"steps); unequal speeds {list(result['balance_speeds']['unequal'])}")
+    speedup = (f"speedup of cost- over count-balanced steps: {result['speedup_cost_vs_count']:.3f} "
+               f"(the smaller of equal and unequal speeds)")
+    return "\n\n".join([format_table(rows, title=title), format_table(balance_rows, title=balance_title), speedup])
 
 
 # --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
@@ -220,6 +265,55 @@ def _train(args: argparse.Namespace, mode: str, train: tuple, progress: tqdm) ->
             "rounds": eager.rounds if eager is not None else step}
 
 
+class _Sequences(Dataset):
+    """The split's sequences as (frames, label) pairs."""
+
+    def __init__(self, split: tuple[list[torch.Tensor], torch.Tensor, np.ndarray]) -> None:
+        self.sequences, self.labels = split[0], split[1]
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.sequences[index], int(self.labels[index])
+
+
+def _collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    return [sequence for sequence, _ in batch], torch.tensor([label for _, label in batch])
+
+
+def _balanced(args: argparse.Namespace, balancing: str, speeds: tuple[float, ...], train: tuple,
+              test: tuple | None, progress: tqdm) -> dict[str, Any]:
+    """One run of the drop-in with steps cut by count or packed by cost; every step is paced to its frames."""
+    world_size = dist.get_world_size()
+    torch.manual_seed(args.seed)
+    allocation = Equal() if len(set(speeds)) == 1 else Static(speeds)
+    emulation = Emulation(speeds=speeds, sample_cost_ms=args.balance_frame_ms)
+    dataset = _Sequences(train)
+    cost = CostBalance(cost=train[2].tolist(), pack=balancing == "cost", mean_over="samples")
+    with DistributedDataParallel(SequenceClassifier(), allocation, "allreduce", emulation=emulation) as model:
+        optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+        loader = model.allocate(DataLoader(dataset, batch_size=args.batch, collate_fn=_collate,
+                                           sampler=DistributedSampler(dataset, seed=args.seed)), cost=cost)
+        dist.barrier()
+        started = time.perf_counter()
+        for epoch in range(args.balance_epochs):
+            loader.sampler.set_epoch(epoch)
+            for sequences, labels in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(sequences), labels).backward()
+                optimizer.step()
+                progress.update()
+        dist.barrier()
+        wall_s = time.perf_counter() - started
+        steps = list(model.step_figures)
+        accuracy_ = accuracy(model.module, test) if test is not None else None
+    spreads = [(max(step.compute_s) - min(step.compute_s)) / max(step.compute_s) for step in steps]
+    samples = sum(sum(step.shares) for step in steps)
+    return {"samples_per_s": samples / wall_s, "wall_s": wall_s, "step_spread": float(np.mean(spreads)),
+            "steps": len(steps), "samples": samples, "accuracy": accuracy_, "world_size": world_size}
+
+
 def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.imbalance")
     parser.add_argument("--out", type=Path, required=True)
@@ -227,14 +321,17 @@ def _worker(argv: list[str]) -> None:
     for key in ("train", "test", "batch", "epochs"):
         parser.add_argument(f"--{key}", type=int, required=True)
     parser.add_argument("--frame-ms", type=float, required=True)
+    parser.add_argument("--balance-epochs", type=int, required=True)
+    parser.add_argument("--balance-frame-ms", type=float, required=True)
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
     train = make_split(args.seed, args.train, tag=1)
     test = make_split(args.seed, args.test, tag=2) if rank == 0 else None
     steps = args.epochs * (args.train // world_size // args.batch)
-    progress = tqdm(total=len(MODES) * steps, desc="imbalance runs", unit="step", disable=None if rank == 0 else True,
-                    file=sys.stderr)
+    balance_steps = args.balance_epochs * -(-args.train // (args.batch * world_size))
+    progress = tqdm(total=len(MODES) * steps + 2 * len(BALANCINGS) * balance_steps, desc="imbalance runs",
+                    unit="step", disable=None if rank == 0 else True, file=sys.stderr)
     runs = {}
     for mode in MODES:
         progress.set_postfix(mode=mode)
@@ -249,9 +346,16 @@ def _worker(argv: list[str]) -> None:
             runs[mode] = {"wall_s": record["wall_s"], "steps": record["steps"], "rounds": record["rounds"],
                           "end_accuracy": end, "curve": curve}
         dist.barrier()
+    all_speeds = {"equal": (1.0,) * world_size,
+                  "unequal": tuple(UNEQUAL_SPEEDS[r % len(UNEQUAL_SPEEDS)] for r in range(world_size))}
+    balance: dict[str, dict[str, Any]] = {}
+    for name, speeds in all_speeds.items():
+        for balancing in BALANCINGS:
+            progress.set_postfix(speeds=name, steps=balancing)
+            balance.setdefault(name, {})[balancing] = _balanced(args, balancing, speeds, train, test, progress)
     progress.close()
     if rank == 0:
-        args.out.write_text(json.dumps({"runs": runs}))
+        args.out.write_text(json.dumps({"runs": runs, "balance": balance, "balance_speeds": all_speeds}))
     dist.destroy_process_group()
 
 

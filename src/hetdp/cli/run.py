@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from hetdp.allocate.policy import ENV_ALLOCATION, allocation_policy
+from hetdp.cluster.devices import device_models_from_flags, read_device_table
 from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, parse_stragglers
 from hetdp.errors import ConfigError
 from hetdp.launch import run_local
@@ -35,6 +37,13 @@ def add_emulation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stragglers", metavar="K:MS", help="delay K random ranks by MS milliseconds at each step")
     parser.add_argument("--speed-change", action="append", default=[], metavar="STEP:V1,V2,...",
                         help="from global step STEP on, the ranks run at speeds V1,V2,... (repeatable)")
+    devices = parser.add_argument_group("device models (with --sample-cost-ms, or --devices)")
+    devices.add_argument("--devices", metavar="TABLE.toml", help="a device table (cluster file, links optional): "
+                         "each rank's speed, per-sample cost, fixed costs, knee and memory cap")
+    devices.add_argument("--step-overhead-ms", metavar="MS,...", help="fixed cost of every step, per rank")
+    devices.add_argument("--knee", metavar="N,...", help="batch at which throughput saturates, per rank (0: none)")
+    devices.add_argument("--max-batch", metavar="N,...", help="memory cap: most samples per forward, per rank (0: none)")
+    devices.add_argument("--micro-overhead-ms", metavar="MS,...", help="cost of each micro-batch, per rank")
 
 
 def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
@@ -46,14 +55,32 @@ def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
     changes = tuple(sorted(parse_speed_change(text, nproc) for text in getattr(args, "speed_change", [])))
     if changes and speeds is None:
         speeds = (1.0,) * nproc
-    return Emulation(
+    emulation = Emulation(
         speeds=speeds,
         sample_cost_ms=args.sample_cost_ms,
         straggler_count=count,
         straggler_delay_ms=delay_ms,
         seed=getattr(args, "seed", 0),
         speed_changes=changes,
+        devices=device_models_from_flags(nproc, step_overhead_ms=getattr(args, "step_overhead_ms", None),
+                                         knee=getattr(args, "knee", None), max_batch=getattr(args, "max_batch", None),
+                                         micro_overhead_ms=getattr(args, "micro_overhead_ms", None)),
     )
+    path = getattr(args, "devices", None)
+    if path is not None and (args.speeds or args.sample_cost_ms or emulation.devices is not None):
+        raise ConfigError("--devices gives every rank's speed, per-sample cost and device model: leave out --speeds, "
+                          "--sample-cost-ms and the per-rank device flags")
+    return emulation if path is None else _with_device_table(emulation, path, nproc)
+
+
+def _with_device_table(emulation: Emulation, path: str, nproc: int) -> Emulation:
+    """``emulation`` with its speeds, per-sample cost and device models from the table at ``path``."""
+    table = read_device_table(path)
+    if len(table.devices) != nproc:
+        raise ConfigError(f"--devices lists {len(table.devices)} devices for {nproc} processes; give one per process")
+    devices = Emulation.from_device_table(table)
+    return dataclasses.replace(emulation, speeds=devices.speeds, sample_cost_ms=devices.sample_cost_ms,
+                               devices=devices.devices)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

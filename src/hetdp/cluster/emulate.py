@@ -6,14 +6,19 @@ run launches under torchrun exactly as a real one does.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
+from hetdp.cluster.devices import DeviceModel, device_model, per_sample_ms
+from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
 
 ENV_SPEEDS = "HETDP_SPEEDS"
@@ -21,6 +26,7 @@ ENV_SAMPLE_COST_MS = "HETDP_SAMPLE_COST_MS"
 ENV_STRAGGLERS = "HETDP_STRAGGLERS"
 ENV_SEED = "HETDP_EMULATION_SEED"
 ENV_SPEED_CHANGES = "HETDP_SPEED_CHANGES"
+ENV_DEVICES = "HETDP_DEVICES"
 
 LEAD_FRACTION = 0.1
 """Share of a synthetic compute block slept before its real compute instead of after. Ranks sharing a few cores
@@ -92,6 +98,9 @@ class Emulation:
     ``samples * sample_cost_ms / speeds[rank]``: exact speed ratios even when
     several ranks share few cores, as long as real compute takes under
     ``1 - LEAD_FRACTION`` of that (the block's first part is a sleep, ``lead_s``).
+    With ``devices``, each block is padded to its device model's time instead: a
+    fixed cost per step, a knee, micro-batches forced by a memory cap, each with
+    its overhead (``DeviceModel.step_ms`` at ``sample_cost_ms / speed`` per sample).
     """
 
     speeds: tuple[float, ...] | None = None
@@ -107,6 +116,9 @@ class Emulation:
     speed_changes: tuple[tuple[int, tuple[float, ...]], ...] = ()
     """(global step, speeds from that step on), by increasing step: devices that slow down or recover mid-run
     (a co-tenant job, thermal throttling). Before the first change, ``speeds`` hold."""
+    devices: tuple[DeviceModel, ...] | None = None
+    """Per rank, what its steps cost beyond samples x cost / speed (overheads, knee, memory cap); None: nothing.
+    Needs ``sample_cost_ms`` > 0. A speed change scales the samples' part of a step, not the overheads."""
 
     def __post_init__(self) -> None:
         if self.speeds is not None and not all(v > 0 and np.isfinite(v) for v in self.speeds):
@@ -123,6 +135,11 @@ class Emulation:
                 )
         if not self.sample_cost_ms >= 0:
             raise ConfigError(f"sample_cost_ms must be >= 0, got {self.sample_cost_ms!r}")
+        if self.devices is not None:
+            if not self.sample_cost_ms > 0:
+                raise ConfigError("device models price steps from a per-sample cost: give sample_cost_ms > 0")
+            if self.speeds is not None and len(self.devices) != len(self.speeds):
+                raise ConfigError(f"{len(self.devices)} device models for {len(self.speeds)} speeds; give one per rank")
         if self.straggler_count < 0 or not self.straggler_delay_ms >= 0:
             raise ConfigError(
                 f"stragglers need count >= 0 and delay >= 0, got {self.straggler_count}:{self.straggler_delay_ms}"
@@ -141,7 +158,21 @@ class Emulation:
             straggler_delay_ms=delay_ms,
             seed=int(env.get(ENV_SEED, 0)),
             speed_changes=tuple(parse_speed_change(change) for change in changes.split(";") if change),
+            devices=_devices_from_json(env[ENV_DEVICES]) if env.get(ENV_DEVICES) else None,
         )
+
+    @classmethod
+    def from_device_table(cls, cluster: ClusterSpec, *, seed: int = 0) -> Emulation:
+        """Emulate the devices of a device table (``read_device_table``), one per rank.
+
+        Each device's time per sample (``batch_time_s / batch_size``) sets its speed: the
+        slowest runs at speed 1 and ``sample_cost_ms`` is its time per sample. Its
+        overheads, knee and memory cap (floor of C-ADP eq. 3's P_max) make its model.
+        """
+        sample_ms = per_sample_ms(cluster)
+        slowest_ms = max(sample_ms)
+        return cls(speeds=tuple(slowest_ms / ms for ms in sample_ms), sample_cost_ms=slowest_ms, seed=seed,
+                   devices=tuple(device_model(device) for device in cluster.devices))
 
     def to_env(self) -> dict[str, str]:
         """Environment variables that reproduce this emulation in a worker process."""
@@ -154,12 +185,14 @@ class Emulation:
             env[ENV_SPEED_CHANGES] = ";".join(
                 f"{step}:{','.join(repr(v) for v in speeds)}" for step, speeds in self.speed_changes
             )
+        if self.devices is not None:
+            env[ENV_DEVICES] = json.dumps([dataclasses.asdict(device) for device in self.devices])
         return env
 
     @property
     def active(self) -> bool:
         return (self.speeds is not None or self.sample_cost_ms > 0 or self.straggler_count > 0
-                or bool(self.speed_changes))
+                or bool(self.speed_changes) or self.devices is not None)
 
     def speeds_at(self, step: int = 0) -> tuple[float, ...] | None:
         """Every rank's speed at global step ``step``: the last change at or before it, else ``speeds``."""
@@ -174,21 +207,27 @@ class Emulation:
         speeds = self.speeds_at(step)
         return 1.0 if speeds is None else speeds[rank]
 
-    def lead_s(self, rank: int, samples: int, step: int = 0) -> float:
+    def lead_s(self, rank: int, samples: float, step: int = 0) -> float:
         """Seconds to sleep before the real compute of a block of ``samples`` (synthetic mode only)."""
-        return LEAD_FRACTION * self._synthetic_s(rank, samples, step)
+        return LEAD_FRACTION * self.block_s(rank, samples, step)
 
-    def padding_s(self, rank: int, measured_s: float, samples: int, step: int = 0) -> float:
-        """Seconds to sleep after a compute block of ``samples`` that took ``measured_s``, its lead included."""
+    def padding_s(self, rank: int, measured_s: float, samples: float, step: int = 0,
+                  forwards: int | None = None) -> float:
+        """Seconds to sleep after a compute block of ``samples`` that took ``measured_s``, its lead included, and
+        ran as ``forwards`` micro-batches (None: as few as the device's memory cap allows)."""
         if self.sample_cost_ms > 0:
-            return max(0.0, self._synthetic_s(rank, samples, step) - measured_s)
+            return max(0.0, self.block_s(rank, samples, step, forwards) - measured_s)
         speeds = self.speeds_at(step)
         if speeds is None:
             return 0.0
         return measured_s * (max(speeds) / speeds[rank] - 1.0)
 
-    def _synthetic_s(self, rank: int, samples: int, step: int) -> float:
-        return samples * self.sample_cost_ms / 1000.0 / self.speed(rank, step)
+    def block_s(self, rank: int, samples: float, step: int = 0, forwards: int | None = None) -> float:
+        """Emulated seconds of a compute block of ``samples`` (synthetic mode; 0 when stretching measured time)."""
+        sample_ms = self.sample_cost_ms / self.speed(rank, step)
+        if self.devices is None:
+            return samples * sample_ms / 1000.0
+        return self.devices[rank].step_ms(samples, sample_ms, forwards) / 1000.0
 
     def stragglers(self, step: int, world_size: int) -> frozenset[int]:
         """Ranks delayed at ``step``: a pure function of (seed, step), so every rank agrees."""
@@ -229,19 +268,33 @@ class Pacer:
         self.rank = rank
         self.world_size = world_size
         self.active = emulation.active
+        self._warned = False
 
-    def start(self, step: int, samples: int) -> None:
+    def start(self, step: int, samples: float) -> None:
         """Sleep through the straggler delay drawn for ``step``, then the lead of its ``samples``."""
         if self.active:
             sleep(self.emulation.straggler_delay_s(step, self.rank, self.world_size))
             sleep(self.emulation.lead_s(self.rank, samples, step))
 
-    def finish(self, step: int, samples: int, compute_s: float) -> None:
-        """Sleep so that a compute block of ``samples`` that took ``compute_s`` (delay and lead included) lasts
-        as long as on the emulated device; the straggler delay comes on top."""
+    def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None) -> None:
+        """Sleep so that a compute block of ``samples`` that took ``compute_s`` (delay and lead included), in
+        ``forwards`` micro-batches, lasts as long as on the emulated device; the straggler delay comes on top."""
         if self.active:
+            self._check_memory(samples, forwards)
             delay_s = self.emulation.straggler_delay_s(step, self.rank, self.world_size)
-            sleep(self.emulation.padding_s(self.rank, compute_s - delay_s, samples, step))
+            sleep(self.emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))
+
+    def _check_memory(self, samples: float, forwards: int | None) -> None:
+        """Warn once if a forward held more samples than the emulated device's memory cap."""
+        devices = self.emulation.devices
+        if forwards is None or devices is None or self._warned:
+            return
+        device = devices[self.rank]
+        if device.forwards(samples) > forwards:
+            self._warned = True
+            warnings.warn(f"rank {self.rank} ran {samples:g} samples in {forwards} forward(s), above its emulated "
+                          f"memory cap of {device.max_batch} per forward (a real device would run out of memory); "
+                          f"priced as {device.forwards(samples)} micro-batches", RuntimeWarning, stacklevel=3)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -267,3 +320,11 @@ class Link:
         """Sleep so that a transfer that really took ``measured_s`` lasts as long as on this link."""
         sleep(self.transfer_s(nbytes) - measured_s)
 
+
+def _devices_from_json(text: str) -> tuple[DeviceModel, ...]:
+    """Device models from ``to_env``'s JSON."""
+    try:
+        entries = json.loads(text)
+        return tuple(DeviceModel(**entry) for entry in entries)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{ENV_DEVICES} must be a JSON list of device models, got {text!r}: {error}") from error

@@ -54,6 +54,14 @@ class DeviceSpec:
     """S_m: memory taken regardless of the batch (model, optimizer state, runtime), MB (>= 0)."""
     activation_mb_per_sample: float = 0.0
     """Delta S_i: extra activation memory per sample of a batch, MB (>= 0)."""
+    step_overhead_ms: float = 0.0
+    """Milliseconds every training step costs whatever its batch (>= 0). Emulation and ``hetdp bench devices`` use
+    it; the C-ADP planner does not."""
+    knee: int = 0
+    """Batch size at which throughput saturates (>= 0): a smaller forward costs as much as one of ``knee`` samples;
+    ``batch_time_s`` is then measured at or above it. Emulation only, as ``step_overhead_ms``."""
+    micro_overhead_ms: float = 0.0
+    """Milliseconds each forward and backward (micro-batch) costs on top of its samples (>= 0). Emulation only."""
 
     def __post_init__(self) -> None:
         label = f"device {self.name!r}" if isinstance(self.name, str) else "device"
@@ -260,6 +268,8 @@ def _device_problems(label: str, values: Mapping[str, Any]) -> list[str]:
         problems.append(f"{label}: name must be a non-empty string, got {values['name']!r}")
     if "batch_size" in values:
         problems.append(_int_problem(label, "batch_size", values["batch_size"], minimum=1))
+    if "knee" in values:
+        problems.append(_int_problem(label, "knee", values["knee"], minimum=0))
     for key, positive, allow_inf in _DEVICE_NUMBERS:
         if values.get(key) is not None:
             problems.append(_number_problem(label, key, values[key], positive=positive, allow_inf=allow_inf))
@@ -273,6 +283,8 @@ _DEVICE_NUMBERS = (
     ("memory_mb", True, False),
     ("fixed_memory_mb", False, False),
     ("activation_mb_per_sample", False, False),
+    ("step_overhead_ms", False, False),
+    ("micro_overhead_ms", False, False),
 )
 """(field, must be > 0, may be inf) for each numeric device field."""
 

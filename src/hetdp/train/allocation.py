@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from hetdp.allocate.policy import Adaptive, AllocationPolicy, Equal, Static
+from hetdp.cluster.devices import micro_batches
 from hetdp.cluster.emulate import Emulation
+from hetdp.cluster.memory import largest_forward
 from hetdp.errors import CheckpointError, ConfigError
 from hetdp.runtime import local_device
 from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
@@ -35,6 +38,9 @@ __all__ = ["AllocatedTrainer", "AllocationConfig", "EpochReport", "accuracy", "d
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+TRIAL_BATCH = 16
+"""Samples of the trial steps that measure a CUDA rank's memory cap (at this size and half of it)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,7 +56,9 @@ class AllocationConfig:
     mode: Literal["accumulate", "batch"] = "accumulate"
     """accumulate: the share runs as micro-batches under ``no_sync``; batch: as one forward of the whole share."""
     max_batch: tuple[int, ...] | None = None
-    """Per rank, the most samples one forward may hold (its memory limit); larger shares are split. None: no limit."""
+    """Per rank, the most samples one forward may hold (its memory limit); larger shares are split. None: automatic,
+    each rank's own cap: its emulated device's (``hetdp run --devices``), else measured on CUDA (free memory and
+    the peak of trial steps), else none."""
     weights: tuple[float, ...] | None = None
     """Static weights, one per rank (``static``), or the adaptive policy's starting point. None: equal."""
     minimum: int = 1
@@ -66,6 +74,9 @@ class AllocationConfig:
     drift: float | None = 0.2
     """Adaptive only: once stable, plan again when a rank runs this fraction slower or faster, sustained;
     None: stop re-planning once stable, as in the paper."""
+    rule: Literal["paper", "piecewise"] = "paper"
+    """Adaptive only: "paper" re-plans proportionally to measured speed (eq. 10); "piecewise" counts each rank's
+    micro-batches in its step time, each one's cost fitted to the measurements, and takes the exact min-max shares."""
     seed: int = 0
     """Seed of the per-epoch shuffle; every rank must use the same."""
     drop_last: bool = False
@@ -90,6 +101,8 @@ class AllocationConfig:
             raise ConfigError(f"step_timeout_s must be > 0 seconds, got {self.step_timeout_s!r}")
         if self.max_batch is not None and min(self.max_batch) < 1:
             raise ConfigError(f"max_batch must be >= 1 per rank, got {list(self.max_batch)}")
+        if self.rule not in ("paper", "piecewise"):
+            raise ConfigError(f"rule must be paper or piecewise, got {self.rule!r}")
 
     def policy_spec(self) -> AllocationPolicy:
         """The drop-in's allocation for this config."""
@@ -98,12 +111,18 @@ class AllocationConfig:
         if self.policy == "static":
             return Static(tuple(self.weights or ()))
         return Adaptive(weights=self.weights, replan_every=self.replan_every, tolerance=self.tolerance,
-                        patience=self.patience, smoothing=self.smoothing, drift=self.drift)
+                        patience=self.patience, smoothing=self.smoothing, drift=self.drift, rule=self.rule)
 
     def chunk_size(self, rank: int, share: int) -> int:
         """Samples per forward/backward for ``rank`` computing ``share`` samples."""
         size = self.micro_batch if self.mode == "accumulate" else max(share, 1)
         return size if self.max_batch is None else min(size, self.max_batch[rank])
+
+    def largest_forward(self, cap: int | None) -> int | None:
+        """The most samples one forward holds on a rank whose memory allows ``cap`` (None: any)."""
+        size = self.micro_batch if self.mode == "accumulate" else None
+        limits = [limit for limit in (size, cap) if limit is not None]
+        return min(limits) if limits else None
 
 
 class _Gathered(Dataset):
@@ -193,10 +212,23 @@ class AllocatedTrainer:
             emulation=emulation, process_group=group, device_ids=device_ids,
         )
         self.rank, self.world_size = self.model.rank, self.model.world_size
+        self.caps = list(config.max_batch) if config.max_batch is not None else self._own_caps(dataset)
+        """Every rank's memory cap, the most samples one forward may hold (None: no cap)."""
         self.loader = self.model.allocate(_loader(dataset, config.global_batch, config.drop_last),
-                                          global_batch=config.global_batch, shuffle=True, seed=config.seed)
+                                          global_batch=config.global_batch, shuffle=True, seed=config.seed,
+                                          max_batch=[config.largest_forward(cap) for cap in self.caps],
+                                          accumulates=True)
         self.start_epoch = 0
         """The epoch to train next: 0, the one after the last ``train_epoch``, or a loaded checkpoint's."""
+
+    def _own_caps(self, dataset: Dataset) -> list[int | None]:
+        """Each rank's memory cap (emulated, else measured on CUDA on a trial batch), exchanged among the ranks."""
+        inputs, targets = next(iter(_loader(dataset, min(TRIAL_BATCH, len(dataset)), False)))
+        mine = largest_forward(self.model.module, inputs, targets, rank=self.rank, emulation=self.model.emulation,
+                               loss_fn=self.loss_fn)
+        caps: list[int | None] = [None] * self.world_size
+        dist.all_gather_object(caps, mine, group=self.model.process_group)
+        return caps
 
     @property
     def shares(self) -> list[int]:
@@ -232,15 +264,17 @@ class AllocatedTrainer:
         """One step on this rank's share: micro-batches under ``no_sync``, then the synchronized backward."""
         self.optimizer.zero_grad()
         count = len(inputs)
-        chunk = self.config.chunk_size(self.rank, count)
-        starts = range(0, count, chunk)
-        for start in starts:
-            last = start == starts[-1]
-            piece = slice(start, start + chunk)
-            with contextlib.nullcontext() if last else self.model.no_sync():
+        largest = self.config.largest_forward(self.caps[self.rank]) or count
+        # Near-equal micro-batches, not full ones and a remainder: a small remainder runs below the device's knee.
+        sizes = micro_batches(count, max(1, math.ceil(count / largest)))
+        start = 0
+        for index, size in enumerate(sizes):
+            piece = slice(start, start + size)
+            start += size
+            with contextlib.nullcontext() if index == len(sizes) - 1 else self.model.no_sync():
                 loss = self.loss_fn(self.model(inputs[piece]), targets[piece])
-                (loss * (len(inputs[piece]) / count)).backward()
-            self.model.record_loss(loss, len(inputs[piece]))
+                (loss * (size / count)).backward()
+            self.model.record_loss(loss, size)
         self.optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -288,8 +322,9 @@ class AllocatedTrainer:
         if state.get("world_size") != self.world_size:
             raise CheckpointError(f"{path} was written by {state.get('world_size')} ranks, this run has "
                                   f"{self.world_size}")
+        # A field the checkpoint lacks is newer than the checkpoint: there is nothing to compare it with.
         changed = sorted(key for key, value in asdict(self.config).items()
-                         if _comparable(state["config"].get(key)) != _comparable(value))
+                         if _comparable(state["config"].get(key, value)) != _comparable(value))
         if changed:
             raise CheckpointError(f"{path} was written with another config: {', '.join(changed)} differ")
         self.model.module.load_state_dict(state["model"])

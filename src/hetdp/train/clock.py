@@ -28,13 +28,16 @@ class StepClock:
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
         )
         self.started_at = self.ready_at = self.synced_at = 0.0
-        self._paced: tuple[int, int] | None = None
-        """(step, samples) of the started step until its padding has run."""
+        self._paced: tuple[int, float] | None = None
+        """(step, work) of the started step until its padding has run."""
+        self.forwards = 0
+        """Forwards (micro-batches) of the started step so far; the model counts them, emulation prices them."""
 
-    def start(self, step: int, samples: int) -> None:
-        """The step's first forward begins."""
+    def start(self, step: int, samples: float) -> None:
+        """The step's first forward begins (``samples``: its work, in samples or cost units)."""
         self.started_at = self.ready_at = self.synced_at = time.perf_counter()
         self._paced = (step, samples)
+        self.forwards = 0
         if self.events:
             self.events[0].record()
         self.pacer.start(step, samples)
@@ -45,7 +48,7 @@ class StepClock:
             step, samples = self._paced
             self._paced = None
             synchronize(self.device)
-            self.pacer.finish(step, samples, time.perf_counter() - self.started_at)
+            self.pacer.finish(step, samples, time.perf_counter() - self.started_at, max(self.forwards, 1))
         self.ready_at = time.perf_counter()
         if self.events:
             self.events[1].record()

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
+from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
@@ -219,7 +220,8 @@ class DistributedDataParallel(TorchDDP):
     # --- the allocation ---------------------------------------------------------------------------------------
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
-                 seed: int | None = None) -> AllocatedLoader:
+                 seed: int | None = None, max_batch: int | Sequence[int | None] | None = None,
+                 accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None) -> AllocatedLoader:
         """Re-cut ``loader`` so that each batch is this rank's share of a step of ``global_batch`` samples.
 
         Every DataLoader option is kept; only the batching changes. The epoch order
@@ -230,27 +232,61 @@ class DistributedDataParallel(TorchDDP):
             loader: the DataLoader this rank would iterate under plain DDP.
             global_batch: samples per step over all ranks (default: the loader's batch size x world size, as DDP).
             shuffle, seed: override the order read off the loader's sampler.
+            max_batch: the most samples one forward may hold (memory): this rank's (an int; the ranks exchange
+                theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). None: the
+                emulated devices' caps under ``hetdp run --devices``, else no cap. Unless ``accumulates``, each share
+                is capped by it (collective: every rank passes the same kind of value).
+            accumulates: whether the loop runs a share above ``max_batch`` as several forwards (micro-batches under
+                ``no_sync``, as ``AllocatedTrainer`` does). Then shares are not capped, and the piecewise adaptive
+                rule counts each micro-batch in its step-time model.
+            cost: per-sample costs of variable-length data (a sequence by dataset index, or a ``CostBalance``):
+                shares become parts of each step's cost, and steps are packed so that each rank's block costs its
+                part. With ``mean_over="cost"`` (the default) each rank's loss must be its mean per cost unit
+                (per token) and the combined gradient is the mean per token over the global step.
 
         Raises:
-            ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, or a global batch too small
-                for the ranks.
+            ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, a global batch too small
+                for the ranks, or one above the sum of capped ranks' ``max_batch`` (the drop-in cannot split a
+                share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``).
         """
         if global_batch is None:
             if loader.batch_size is None:
                 raise ConfigError("the loader has no batch_size (a batch_sampler?): pass global_batch=")
             global_batch = loader.batch_size * self.world_size
         dataset_size = len(loader.dataset) if hasattr(loader.dataset, "__len__") else None
+        balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
             minimum = 1 if global_batch >= self.world_size else 0
+            caps = self._memory_caps(max_batch)
+            bounds = None if accumulates else caps
+            if bounds is not None:
+                _check_fits(bounds, global_batch, balance)
             self.allocator = Allocator(self.allocation, self.world_size, global_batch, dataset_size=dataset_size,
-                                       minimum=minimum)
+                                       minimum=minimum, caps=bounds, chunks=None if balance else caps)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")
-        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed)
+        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed, cost=balance)
         self._loader = weakref.ref(allocated)
         return allocated
+
+    def _memory_caps(self, max_batch: int | Sequence[int | None] | None) -> list[int | None] | None:
+        """Every rank's largest forward: given for all, exchanged (each rank gives its own), or emulated."""
+        if max_batch is None:
+            devices = self.emulation.devices
+            return None if devices is None else [device.max_batch for device in devices]
+        if isinstance(max_batch, int):
+            if max_batch < 1:
+                raise ConfigError(f"max_batch must be >= 1 sample, got {max_batch}")
+            caps: list[Any] = [None] * self.world_size
+            dist.all_gather_object(caps, max_batch, group=self._group)
+            return caps
+        caps = list(max_batch)
+        if len(caps) != self.world_size or any(cap is not None and cap < 1 for cap in caps):
+            raise ConfigError(f"max_batch needs one cap >= 1 (or None) per rank for {self.world_size} ranks, "
+                              f"got {caps}")
+        return caps
 
     @property
     def shares(self) -> list[int]:
@@ -295,12 +331,16 @@ class DistributedDataParallel(TorchDDP):
             self.begin_epoch(ticket.epoch)
         self._open = _OpenStep(ticket, ticket.total if total is None else total)
         self._hook.samples, self._hook.total = ticket.samples, self._open.total
+        if ticket.weights is not None:  # cost-balanced steps: weigh each rank by its part of the step's cost
+            self._hook.samples, self._hook.total = ticket.weights[ticket.rank], sum(ticket.weights)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         step = self._open
         if step is not None and not step.started and torch.is_grad_enabled():
             step.started = True
-            self.clock.start(step.ticket.step, step.ticket.samples)
+            self.clock.start(step.ticket.step, step.ticket.work)
+        if step is not None and torch.is_grad_enabled():
+            self.clock.forwards += 1
         if step is not None and step.ticket.samples == 0 and self.module.training:
             with _evaluating(self.module):
                 return super().forward(*inputs, **kwargs)
@@ -376,7 +416,7 @@ class DistributedDataParallel(TorchDDP):
     def _gather_due(self) -> bool:
         window = self.allocator.window() if self.allocator is not None else None
         if window:
-            measured = sum(1 for ticket, _, _ in self._pending if list(ticket.block) == self._current_shares())
+            measured = sum(1 for ticket, _, _ in self._pending if list(ticket.cut_by) == self._current_shares())
             if self.allocator.measured + measured >= window:
                 return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
@@ -406,7 +446,7 @@ class DistributedDataParallel(TorchDDP):
         if self.allocator is not None:
             current = self.allocator.shares
             for i, (ticket, _, _) in enumerate(pending):
-                if list(ticket.block) == current:
+                if list(ticket.cut_by) == current:
                     self.allocator.measure(compute[:, i].tolist())
         self._plan(int(gathered[:, 0].max().item()), epoch_end)
         return gathered[:, 1 + 3 * width :]
@@ -478,6 +518,21 @@ class DistributedDataParallel(TorchDDP):
     def __repr__(self) -> str:
         return (f"hetdp.DDP(allocation={self.allocation.describe()}, sync={self.sync.describe()}, "
                 f"rank={self.rank}/{self.world_size}, shares={self.shares}, steps={self.steps_done})")
+
+
+def _check_fits(caps: Sequence[int | None], global_batch: int, cost: CostBalance | None) -> None:
+    """Raise ConfigError unless shares capped at ``caps`` (None: no cap) can hold a step of ``global_batch``."""
+    limits = [cap for cap in caps if cap is not None]
+    if not limits:
+        return
+    if cost is not None and cost.pack:
+        raise ConfigError("memory caps bound a rank's samples, and cost-packed steps size blocks by cost: "
+                          "pass accumulates=True and split large blocks in the loop, or drop max_batch")
+    if len(limits) == len(caps) and global_batch > sum(limits):
+        raise ConfigError(
+            f"a global batch of {global_batch} does not fit under the ranks' memory caps {limits} (at most "
+            f"{sum(limits)} samples, one forward each; the drop-in cannot split a share for your loop): lower "
+            f"global_batch, or run shares as micro-batches (accumulates=True, or hetdp.AllocatedTrainer)")
 
 
 DDP = DistributedDataParallel

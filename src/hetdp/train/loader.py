@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from hetdp.allocate.pack import CostBalance, pack_by_cost
 from hetdp.allocate.sampler import split_step
 from hetdp.errors import ConfigError
 
@@ -37,11 +39,27 @@ class StepTicket:
     block: tuple[int, ...]
     """Samples of every rank in the step."""
     rank: int
+    cost: tuple[float, ...] | None = None
+    """Cost of every rank's block, where the loader knows the samples' costs (``CostBalance``)."""
+    weights: tuple[float, ...] | None = None
+    """What every rank's gradient is weighted by, where it is not its samples (``CostBalance(mean_over="cost")``)."""
+    shares: tuple[int, ...] | None = None
+    """The shares a full cost-packed step was cut by (its ``block`` then counts samples, not shares)."""
 
     @property
     def samples(self) -> int:
         """This rank's samples: 0 means it joins the step with a stand-in batch weighted 0."""
         return self.block[self.rank]
+
+    @property
+    def work(self) -> float:
+        """This rank's work in the step, what emulation paces: its block's cost where known, else its samples."""
+        return self.samples if self.cost is None else self.cost[self.rank]
+
+    @property
+    def cut_by(self) -> tuple[int, ...]:
+        """The shares the step was cut by: for a full step, the allocation's shares at that step."""
+        return self.block if self.shares is None else self.shares
 
     @property
     def total(self) -> int:
@@ -61,10 +79,14 @@ class StepSampler:
 
     Every index list it makes is recorded as a ``StepTicket``, which the loader
     pairs with the batch when the DataLoader delivers it (workers prefetch ahead).
+
+    With ``cost`` (variable-length data), the shares are parts of each step's cost,
+    not of its samples: the step's samples are packed so that each rank's block
+    costs its part (``pack_by_cost``), unless ``cost.pack`` is False.
     """
 
     def __init__(self, dataset_size: int, global_batch: int, rank: int, *, shares_at: Callable[[int], list[int]],
-                 shuffle: bool, seed: int, drop_last: bool) -> None:
+                 shuffle: bool, seed: int, drop_last: bool, cost: CostBalance | None = None) -> None:
         if dataset_size < 1:
             raise ConfigError("the dataset is empty")
         self.dataset_size = dataset_size
@@ -74,6 +96,9 @@ class StepSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if cost is not None and len(cost.cost) != dataset_size:
+            raise ConfigError(f"cost gives {len(cost.cost)} sample costs for a dataset of {dataset_size} samples")
+        self.cost = cost
         self.epoch = 0
         self.start = 0
         """The first step of the epoch to produce (a resumed epoch skips those done)."""
@@ -107,6 +132,9 @@ class StepSampler:
             first = index * self.global_batch
             count = min(self.global_batch, self.dataset_size - first)
             shares = self.shares_at(self.next_step)
+            if self.cost is not None:
+                yield self._cost_step(order[first : first + count], shares, index)
+                continue
             block = tuple(split_step(shares, count))
             ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank)
             self.tickets.append(ticket)
@@ -116,6 +144,26 @@ class StepSampler:
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start
+
+    def _cost_step(self, indices: list[int], shares: list[int], index: int) -> list[int]:
+        """This rank's indices of a step of ``indices``, cut by cost (or by count, costs kept), and its ticket."""
+        assert self.cost is not None
+        costs = [self.cost.cost[i] for i in indices]
+        if self.cost.pack:
+            positions = pack_by_cost(costs, shares)
+        else:
+            counts = split_step(shares, len(indices))
+            positions = [list(range(end - count, end)) for end, count in zip(itertools.accumulate(counts), counts)]
+        spent = tuple(float(sum(costs[p] for p in block)) for block in positions)
+        full = len(indices) == self.global_batch
+        ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, rank=self.rank,
+                            block=tuple(len(block) for block in positions), cost=spent,
+                            weights=spent if self.cost.mean_over == "cost" else None,
+                            shares=tuple(shares) if full and self.cost.pack else None)
+        self.tickets.append(ticket)
+        self.next_step += 1
+        mine = [indices[p] for p in positions[self.rank]]
+        return mine or [indices[0]]
 
 
 def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tuple[bool, int]:
@@ -158,7 +206,7 @@ class AllocatedLoader:
     """
 
     def __init__(self, model: DistributedDataParallel, loader: DataLoader, *, global_batch: int,
-                 shuffle: bool | None = None, seed: int | None = None) -> None:
+                 shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError("allocate() needs a map-style dataset (with __len__ and __getitem__), "
@@ -167,7 +215,7 @@ class AllocatedLoader:
         self.original = loader
         self.model = model
         self.sampler = StepSampler(len(dataset), global_batch, model.rank, shares_at=model.shares_at,
-                                   shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+                                   shuffle=shuffle, seed=seed, drop_last=loader.drop_last, cost=cost)
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}

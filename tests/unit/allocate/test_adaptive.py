@@ -157,3 +157,68 @@ def test_a_single_spike_is_not_a_drift():
     allocator.update(synthetic_seconds(allocator.shares, [1.0, 1.0]))
     allocator.update(synthetic_seconds(allocator.shares, [1.0, 0.5]))
     assert allocator.restarts == 0 and allocator.shares == [50, 50]
+
+
+def device_tables(total):
+    """Two big cards and two small ones whose memory cap (64) forces a second micro-batch, each micro-batch costing
+    20 ms and the small cards' knee (40) making a split share cost as much as two of 40: a step-shaped curve."""
+    from hetdp.cluster.devices import DeviceModel
+
+    big = DeviceModel(step_overhead_ms=10, knee=64, max_batch=256, micro_overhead_ms=20)
+    small = DeviceModel(step_overhead_ms=10, knee=40, max_batch=64, micro_overhead_ms=20)
+    devices, sample_ms = [big, big, small, small], [0.5, 0.5, 1.25, 1.25]
+    rows = [[device.step_ms(share, ms) / 1000 for share in range(total + 1)] for device, ms in zip(devices, sample_ms)]
+    return rows, [device.max_batch for device in devices]
+
+
+def settle(allocator, rows, updates=12):
+    for _ in range(updates):
+        allocator.update([rows[rank][share] for rank, share in enumerate(allocator.shares)])
+    return allocator.shares
+
+
+def test_piecewise_rule_reaches_the_exact_optimum_where_the_papers_rule_stalls_at_a_jump():
+    from hetdp.allocate.minmax import min_max_shares, step_time_of
+
+    rows, chunks = device_tables(512)
+    optimum = min_max_shares(rows, 512, minimum=1)
+    paper = settle(AdaptiveAllocator(4, 512, patience=2), rows)
+    piecewise = settle(AdaptiveAllocator(4, 512, patience=2, rule="piecewise", chunks=chunks), rows)
+    assert optimum == [192, 192, 64, 64]
+    assert step_time_of(rows, piecewise) == step_time_of(rows, optimum)
+    assert step_time_of(rows, paper) > 1.1 * step_time_of(rows, optimum)  # two micro-batches on the small cards
+
+
+@given(speeds=speeds_strategy, caps=st.data())
+def test_caps_bound_the_shares_under_both_rules(speeds, caps):
+    limits = caps.draw(st.lists(st.integers(20, 200), min_size=len(speeds), max_size=len(speeds)))
+    total = min(sum(limits), 100 * len(speeds))
+    for rule in ("paper", "piecewise"):
+        allocator = AdaptiveAllocator(len(speeds), total, rule=rule, caps=limits, tolerance=0.0)
+        for _ in range(3):
+            shares = allocator.update(synthetic_seconds(allocator.shares, speeds))
+            assert sum(shares) == total and all(share <= cap for share, cap in zip(shares, limits))
+
+
+def test_piecewise_rule_without_micro_batches_plans_as_the_paper():
+    speeds = [1.0, 1.0, 2.0, 4.0]
+    paper, piecewise = AdaptiveAllocator(4, 128), AdaptiveAllocator(4, 128, rule="piecewise")
+    seconds = synthetic_seconds(paper.shares, speeds, overhead_s=0.5)
+    for allocator in (paper, piecewise):
+        allocator.update(seconds)
+    measured = [share / t for share, t in zip([32] * 4, seconds)]  # both plan on the same proportional speeds
+
+    def predicted(shares):
+        return max(share / speed for share, speed in zip(shares, measured))
+
+    assert all(abs(a - b) <= 1 for a, b in zip(piecewise.shares, paper.shares))
+    assert predicted(piecewise.shares) <= predicted(paper.shares)  # the exact rounding, never worse
+
+
+def test_state_dict_keeps_the_measured_points():
+    rows, chunks = device_tables(512)
+    allocator = AdaptiveAllocator(4, 512, rule="piecewise", chunks=chunks)
+    settle(allocator, rows, updates=2)
+    restored = AdaptiveAllocator(4, 512, rule="piecewise", chunks=chunks)
+    restored.load_state_dict(allocator.state_dict())
+    assert restored.points == allocator.points and restored.models() == allocator.models()

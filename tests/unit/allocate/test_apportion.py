@@ -79,3 +79,49 @@ def test_a_minimum_binding_for_one_rank_leaves_the_others_proportional():
 def test_bad_input_names_the_problem(weights, total, minimum, message):
     with pytest.raises(ConfigError, match=message):
         apportion(weights, total, minimum)
+
+
+def clipped_quotas(weights, total, minimum, caps):
+    """Oracle: ``clip(level * weight, minimum, cap)`` summing to ``total``, the level found by bisection."""
+    limits = [float("inf") if cap is None else cap for cap in caps]
+
+    def at(level):
+        return [min(max(level * w, minimum), cap) if w > 0 else minimum for w, cap in zip(weights, limits)]
+
+    low, high = 0.0, 1.0
+    while sum(at(high)) < total:
+        high *= 2
+    for _ in range(200):
+        level = (low + high) / 2
+        low, high = (level, high) if sum(at(level)) < total else (low, level)
+    return at(high)
+
+
+@st.composite
+def capped_case(draw):
+    weights = draw(weights_strategy)
+    minimum = draw(st.integers(0, 3))
+    caps = [draw(st.one_of(st.none(), st.integers(minimum, minimum + 60))) for _ in weights]
+    room = sum(1000 if cap is None else cap for cap in caps)
+    total = draw(st.integers(minimum * len(weights), min(room, minimum * len(weights) + 3000)))
+    return weights, total, minimum, caps
+
+
+@given(capped_case())
+def test_caps_bound_every_share_and_the_rest_stays_proportional(case):
+    weights, total, minimum, caps = case
+    for rounding in (apportion, apportion_min_max):
+        shares = rounding(weights, total, minimum, caps=caps)
+        assert sum(shares) == total and min(shares) >= minimum
+        assert all(cap is None or share <= cap for share, cap in zip(shares, caps))
+        for share, quota in zip(shares, clipped_quotas(weights, total, minimum, caps)):
+            assert abs(share - quota) < 1 + 1e-6
+
+
+def test_a_capped_rank_leaves_its_excess_to_the_others_in_proportion():
+    assert apportion([1.0, 1.0, 2.0, 4.0], 128, caps=[20, 20, 20, None]) == [18, 18, 20, 72]
+
+
+def test_a_total_above_the_caps_is_a_config_error():
+    with pytest.raises(ConfigError, match="exceeds the sum of the caps, 10"):
+        apportion([1.0, 1.0], 11, caps=[5, 5])
