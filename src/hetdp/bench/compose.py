@@ -62,13 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
     parser.add_argument("--straggler-ms", type=float, default=200.0,
                         help="delay of the one random rank per step, in ms (default 200)")
-    parser.add_argument("--epochs", type=positive_int, help="epochs per pairing (default 8; --quick 3)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs per pairing (default 8; --quick 4)")
     parser.add_argument("--global-batch", type=positive_int, default=64, help="samples per step (default 64)")
     parser.add_argument("--sample-cost-ms", type=float, default=16.0,
                         help="emulated ms per sample at speed 1 (default 16: an equal share costs the slowest rank "
                         "256 ms, about the straggler's delay, so both kinds of heterogeneity weigh alike)")
-    parser.add_argument("--sync-every", type=positive_int, default=20,
-                        help="partial pairings: steps between meetings (parameter averaging and re-plans; default 20)")
+    parser.add_argument("--sync-every", type=int, default=0,
+                        help="partial pairings: steps between meetings (parameter averaging; default 0: at each "
+                        "epoch's end; an unsettled adaptive allocation also meets to re-plan)")
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
 
 
@@ -83,9 +84,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.straggler_ms >= 0 and args.sample_cost_ms > 0):
         raise ConfigError(f"--straggler-ms must be >= 0 and --sample-cost-ms > 0, got {args.straggler_ms}, "
                           f"{args.sample_cost_ms}")
+    if args.sync_every < 0:
+        raise ConfigError(f"--sync-every must be >= 0 steps, got {args.sync_every}")
     if args.global_batch < nproc:
         raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
-    epochs = args.epochs or (3 if args.quick else 8)
+    epochs = args.epochs or (4 if args.quick else 8)
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", args.straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", args.sample_cost_ms,
@@ -200,7 +203,7 @@ def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emul
     model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation)
     loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size,
                                        sampler=DistributedSampler(split.train, seed=args.seed)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
     trained_s, steps = 0.0, 0
     dist.barrier()

@@ -9,7 +9,6 @@ their samples, as one synchronous step over the same samples would.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,11 +38,19 @@ class GradientRound:
         return self.weighted_sum / self.samples if self.samples else torch.zeros_like(self.weighted_sum)
 
 
-def combine(rounds: Sequence[GradientRound]) -> tuple[torch.Tensor, float] | None:
-    """Pool rounds into one sum and sample count: one step that applies them all applies their weighted mean."""
-    if not rounds:
-        return None
-    return sum(r.weighted_sum for r in rounds), math.fsum(r.samples for r in rounds)  # type: ignore[return-value]
+def combine(rounds: Sequence[GradientRound], like: torch.Tensor) -> torch.Tensor:
+    """The gradient of one step that applies several rounds: the sum of their sample-weighted means.
+
+    Each round is one update's worth, as in a synchronous step; a rank that receives
+    three rounds at once (it lagged) must move as far as one that applied them in
+    three steps (with plain SGD, exactly as far), not a third of that, which their
+    pooled mean would give.
+    """
+    gradient = torch.zeros_like(like)
+    for gradient_round in rounds:
+        if gradient_round.samples:
+            gradient += gradient_round.mean()
+    return gradient
 
 
 class PartialGradients(Synchronizer):
@@ -55,8 +62,8 @@ class PartialGradients(Synchronizer):
     round travels in the next one (see ``PartialAllreduce``).
 
     As the drop-in's synchronization, each step's gradient buckets are pooled into
-    one contribution at the last bucket, and the step applies the sample-weighted
-    mean of every round the call returned. Every ``sync_every`` steps and at each
+    one contribution at the last bucket, and the step applies every round the call
+    returned: the sum of their sample-weighted means (``combine``). Every ``sync_every`` steps and at each
     epoch's end the ranks *meet*: they flush the rounds in flight (kept for the next
     step, so no gradient is lost) and average their parameters, since a rank that
     applies several rounds in one step of a stateful optimizer drifts slightly from
@@ -137,8 +144,7 @@ class PartialGradients(Synchronizer):
             buckets, self._buckets = self._buckets, []
             flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
             rounds, self._carried = self._carried + self.contribute(flat, samples), []
-            weighted_sum, pooled_samples = combine(rounds)  # type: ignore[misc]
-            gradient = weighted_sum / pooled_samples if pooled_samples else torch.zeros_like(weighted_sum)
+            gradient = combine(rounds, flat)
             offset = 0
             for buffer, future in buckets:
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))

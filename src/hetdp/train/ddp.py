@@ -41,6 +41,8 @@ from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepF
 
 log = logging.getLogger(__name__)
 
+MEETING_WINDOW = 10
+"""Under partial and local synchronization, the fewest steps between the meetings an unsettled allocation asks for."""
 HISTORY_STEPS = 10_000
 """Per-step figures kept in ``step_figures`` (the oldest are dropped; a metrics file keeps them all)."""
 
@@ -373,7 +375,7 @@ class DistributedDataParallel(TorchDDP):
         if self.synchronizer.meets_every_step:
             if self._gather_due():
                 self._gather_and_plan()
-        elif self.synchronizer.due(self._since_meeting):
+        elif self.synchronizer.due(self._since_meeting) or self._planning_meeting_due():
             self._gather_and_plan(meet=True)
 
     def end_epoch(self) -> EpochReport:
@@ -420,6 +422,16 @@ class DistributedDataParallel(TorchDDP):
             if self.allocator.measured + measured >= window:
                 return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
+
+    def _planning_meeting_due(self) -> bool:
+        """Partial and local synchronization: until the shares are stable, the ranks also meet to re-plan, every
+        ``MEETING_WINDOW`` steps or more (a meeting waits for the slowest rank, and a window that short still has
+        robust medians under random stragglers); once stable, re-plans ride the synchronization's own meetings."""
+        allocator = self.allocator
+        if allocator is None or allocator.stable:
+            return False
+        window = allocator.window()
+        return bool(window) and self._since_meeting >= max(window, MEETING_WINDOW)
 
     def _current_shares(self) -> list[int]:
         return self.allocator.shares if self.allocator is not None else []
