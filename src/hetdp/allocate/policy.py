@@ -4,7 +4,8 @@
 measured compute times, task-allocation paper) and ``Planned`` (the C-ADP
 optimizer on a cluster description) all give per-rank shares of a fixed global
 batch; only ``Adaptive`` changes them as it measures. Strings name the common
-ones: ``"equal"``, ``"adaptive"``, ``"adaptive:piecewise"``, ``"static:W1,W2,..."``.
+ones: ``"equal"``, ``"adaptive"`` (``"adaptive:paper"``, ``"adaptive:piecewise"`` to fix its rule),
+``"static:W1,W2,..."``.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ class Adaptive:
     """Drift checks in a row that must see the change."""
     watch_every: int = 4
     """Steps between drift checks once stable."""
-    rule: Literal["paper", "piecewise"] = "paper"
+    rule: Literal["auto", "paper", "piecewise"] = "auto"
     """How a re-plan sets shares: "paper", proportional to measured speed (task-allocation paper, eq. 10);
     "piecewise", the exact min-max shares for step times that count each rank's micro-batches, each one's cost
-    fitted to the measurements: for memory caps that split shares, where the paper's rule stalls at a jump."""
+    fitted to the measurements: for memory caps that split shares, where the paper's rule stalls at a jump;
+    "auto", piecewise where some rank runs its share as micro-batches, the paper's rule elsewhere."""
 
     def __post_init__(self) -> None:
         if self.weights is not None:
@@ -96,11 +98,11 @@ class Adaptive:
                 raise ConfigError(f"{name} must be an integer >= 0 steps, got {value!r}")
         if self.watch_every < 1:
             raise ConfigError(f"watch_every must be >= 1 step, got {self.watch_every}")
-        if self.rule not in ("paper", "piecewise"):
-            raise ConfigError(f"rule must be paper or piecewise, got {self.rule!r}")
+        if self.rule not in ("auto", "paper", "piecewise"):
+            raise ConfigError(f"rule must be auto, paper or piecewise, got {self.rule!r}")
 
     def describe(self) -> str:
-        return "adaptive" if self.rule == "paper" else f"adaptive:{self.rule}"
+        return "adaptive" if self.rule == "auto" else f"adaptive:{self.rule}"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -141,6 +143,8 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
         return Equal()
     if spec == "adaptive":
         return Adaptive()
+    if spec == "adaptive:paper":
+        return Adaptive(rule="paper")
     if spec == "adaptive:piecewise":
         return Adaptive(rule="piecewise")
     if name == "static" and argument:
@@ -148,7 +152,9 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
             return Static(tuple(float(w) for w in argument.split(",")))
         except ValueError:
             pass
-    raise ConfigError(f"allocation must be equal, adaptive, adaptive:piecewise or static:W1,W2,... ; got {spec!r}")
+    raise ConfigError(
+        f"allocation must be equal, adaptive, adaptive:paper, adaptive:piecewise or static:W1,W2,... ; got {spec!r}"
+    )
 
 
 def _spread(times: Sequence[float], median: float) -> float:
@@ -180,9 +186,12 @@ class Allocator:
         weights = self._weights(policy, world_size, dataset_size)
         self.adaptive = None
         if isinstance(policy, Adaptive):
+            rule = policy.rule
+            if rule == "auto":
+                rule = "piecewise" if chunks is not None and any(chunk is not None for chunk in chunks) else "paper"
             self.adaptive = AdaptiveAllocator(
                 world_size, total, minimum, initial=weights, smoothing=policy.smoothing, tolerance=policy.tolerance,
-                patience=policy.patience, drift=policy.drift, sustain=policy.sustain, rule=policy.rule, caps=caps,
+                patience=policy.patience, drift=policy.drift, sustain=policy.sustain, rule=rule, caps=caps,
                 chunks=chunks,
             )
             self.shares = list(self.adaptive.shares)

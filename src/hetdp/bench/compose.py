@@ -60,13 +60,13 @@ for the final accuracy and for the curve the time to accuracy is read off."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default=DEFAULT_SPEEDS, help=f"relative speed per rank (default {DEFAULT_SPEEDS})")
-    parser.add_argument("--straggler-ms", type=float, default=200.0,
-                        help="delay of the one random rank per step, in ms (default 200)")
-    parser.add_argument("--epochs", type=positive_int, help="epochs per pairing (default 8; --quick 4)")
+    parser.add_argument("--straggler-ms", type=float,
+                        help="delay of the one random rank per step, in ms (default 200; --quick 100)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs per pairing (default 8; --quick 5)")
     parser.add_argument("--global-batch", type=positive_int, default=64, help="samples per step (default 64)")
-    parser.add_argument("--sample-cost-ms", type=float, default=16.0,
+    parser.add_argument("--sample-cost-ms", type=float,
                         help="emulated ms per sample at speed 1 (default 16: an equal share costs the slowest rank "
-                        "256 ms, about the straggler's delay, so both kinds of heterogeneity weigh alike)")
+                        "256 ms, about the straggler's delay, so both kinds weigh alike; --quick 8)")
     parser.add_argument("--sync-every", type=int, default=0,
                         help="partial pairings: steps between meetings (parameter averaging; default 0: at each "
                         "epoch's end; an unsettled adaptive allocation also meets to re-plan)")
@@ -81,17 +81,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     quorum = args.quorum or max(nproc // 2, 1)
     if quorum > nproc:
         raise ConfigError(f"--quorum {quorum} exceeds the {nproc} ranks")
-    if not (args.straggler_ms >= 0 and args.sample_cost_ms > 0):
-        raise ConfigError(f"--straggler-ms must be >= 0 and --sample-cost-ms > 0, got {args.straggler_ms}, "
-                          f"{args.sample_cost_ms}")
+    # --quick runs the same experiment at half the time scale, so that enough epochs fit in two minutes.
+    straggler_ms = args.straggler_ms if args.straggler_ms is not None else (100.0 if args.quick else 200.0)
+    sample_cost_ms = args.sample_cost_ms if args.sample_cost_ms is not None else (8.0 if args.quick else 16.0)
+    if not (straggler_ms >= 0 and sample_cost_ms > 0):
+        raise ConfigError(f"--straggler-ms must be >= 0 and --sample-cost-ms > 0, got {straggler_ms}, "
+                          f"{sample_cost_ms}")
     if args.sync_every < 0:
         raise ConfigError(f"--sync-every must be >= 0 steps, got {args.sync_every}")
     if args.global_batch < nproc:
         raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
-    epochs = args.epochs or (4 if args.quick else 8)
+    epochs = args.epochs or (5 if args.quick else 8)
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
-    worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", args.straggler_ms, "--epochs", epochs,
-                   "--global-batch", args.global_batch, "--sample-cost-ms", args.sample_cost_ms,
+    worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
+                   "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
                    "--sync-every", args.sync_every, "--quorum", quorum, "--seed", args.seed]
     raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=len(PAIRINGS) * epochs * steps,
                          description="steps", unit="step")

@@ -74,9 +74,10 @@ class AllocationConfig:
     drift: float | None = 0.2
     """Adaptive only: once stable, plan again when a rank runs this fraction slower or faster, sustained;
     None: stop re-planning once stable, as in the paper."""
-    rule: Literal["paper", "piecewise"] = "paper"
+    rule: Literal["auto", "paper", "piecewise"] = "auto"
     """Adaptive only: "paper" re-plans proportionally to measured speed (eq. 10); "piecewise" counts each rank's
-    micro-batches in its step time, each one's cost fitted to the measurements, and takes the exact min-max shares."""
+    micro-batches in its step time, each one's cost fitted to the measurements, and takes the exact min-max shares;
+    "auto": piecewise where a rank runs its share as micro-batches, else the paper's rule."""
     seed: int = 0
     """Seed of the per-epoch shuffle; every rank must use the same."""
     drop_last: bool = False
@@ -101,8 +102,8 @@ class AllocationConfig:
             raise ConfigError(f"step_timeout_s must be > 0 seconds, got {self.step_timeout_s!r}")
         if self.max_batch is not None and min(self.max_batch) < 1:
             raise ConfigError(f"max_batch must be >= 1 per rank, got {list(self.max_batch)}")
-        if self.rule not in ("paper", "piecewise"):
-            raise ConfigError(f"rule must be paper or piecewise, got {self.rule!r}")
+        if self.rule not in ("auto", "paper", "piecewise"):
+            raise ConfigError(f"rule must be auto, paper or piecewise, got {self.rule!r}")
 
     def policy_spec(self) -> AllocationPolicy:
         """The drop-in's allocation for this config."""
