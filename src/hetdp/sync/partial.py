@@ -38,19 +38,21 @@ class GradientRound:
         return self.weighted_sum / self.samples if self.samples else torch.zeros_like(self.weighted_sum)
 
 
-def combine(rounds: Sequence[GradientRound], like: torch.Tensor) -> torch.Tensor:
-    """The gradient of one step that applies several rounds: the sum of their sample-weighted means.
+def combine(rounds: Sequence[GradientRound], like: torch.Tensor, step_samples: int) -> torch.Tensor:
+    """The gradient of one step that applies several rounds: each round's sample-weighted mean, counted as the
+    part of a step of ``step_samples`` that its samples are.
 
-    Each round is one update's worth, as in a synchronous step; a rank that receives
-    three rounds at once (it lagged) must move as far as one that applied them in
-    three steps (with plain SGD, exactly as far), not a third of that, which their
-    pooled mean would give.
+    Every sample then moves the model as much as in a synchronous step (the eager-SGD
+    paper's sum / P, with samples for calls): a round that holds a slow rank's 8 of 64
+    samples is an eighth of a step, not a whole one on 8 samples' noise; a rank that
+    lagged and receives three full rounds at once moves three steps' worth, as a rank
+    that applied them one by one (with plain SGD, exactly as far); and a round that
+    holds the whole step (all ranks fresh) is exactly the synchronous gradient.
     """
     gradient = torch.zeros_like(like)
     for gradient_round in rounds:
-        if gradient_round.samples:
-            gradient += gradient_round.mean()
-    return gradient
+        gradient += gradient_round.weighted_sum
+    return gradient / step_samples
 
 
 class PartialGradients(Synchronizer):
@@ -63,7 +65,7 @@ class PartialGradients(Synchronizer):
 
     As the drop-in's synchronization, each step's gradient buckets are pooled into
     one contribution at the last bucket, and the step applies every round the call
-    returned: the sum of their sample-weighted means (``combine``). Every ``sync_every`` steps and at each
+    returned, each counted as the part of a step its samples are (``combine``). Every ``sync_every`` steps and at each
     epoch's end the ranks *meet*: they flush the rounds in flight (kept for the next
     step, so no gradient is lost) and average their parameters, since a rank that
     applies several rounds in one step of a stateful optimizer drifts slightly from
@@ -144,7 +146,7 @@ class PartialGradients(Synchronizer):
             buckets, self._buckets = self._buckets, []
             flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
             rounds, self._carried = self._carried + self.contribute(flat, samples), []
-            gradient = combine(rounds, flat)
+            gradient = combine(rounds, flat, total)
             offset = 0
             for buffer, future in buckets:
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))

@@ -33,8 +33,9 @@ class Partial:
     """Each step waits for a partial allreduce of the gradients, not for every rank (eager-SGD).
 
     A round's gradient is the sample-weighted mean of the contributions it holds
-    (fresh ones, and stale ones carried from rounds their rank missed); a rank that
-    missed rounds applies all of them in its next step. Every ``sync_every`` steps and
+    (fresh ones, and stale ones carried from rounds their rank missed), counted as
+    the part of a step its samples are; a rank that missed rounds applies all of
+    them in its next step. Every ``sync_every`` steps and
     at each epoch's end the ranks meet: they flush the rounds in flight and average
     their parameters (the paper's periodic model synchronization), which is also
     when an adaptive allocation re-plans.
