@@ -1,6 +1,9 @@
 """A user's drop-in script for test_devices.py: no emulation in its code; `hetdp run --devices` paces and caps it."""
 
+import sys
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -19,8 +22,13 @@ def main() -> None:
             nn.functional.cross_entropy(model(inputs), targets).backward()
             optimizer.step()
         devices = model.emulation.devices
-        print(f"rank {rank}: caps {[d.max_batch for d in devices]} shares {model.shares} "
-              f"schedule {[shares for _, shares in model._schedule]}", flush=True)
+        line = (f"rank {rank}: caps {[d.max_batch for d in devices]} shares {model.shares} "
+                f"schedule {[shares for _, shares in model._schedule]}")
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, line)  # one writer: two ranks' prints interleave on the shared pipe
+        if rank == 0:
+            sys.stdout.write("\n".join(lines) + "\n")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
