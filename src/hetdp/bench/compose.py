@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="partial pairings: steps between meetings (parameter averaging; default 0: at each "
                         "epoch's end; an unsettled adaptive allocation also meets to re-plan)")
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
+    parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not (straggler_ms >= 0 and sample_cost_ms > 0):
         raise ConfigError(f"--straggler-ms must be >= 0 and --sample-cost-ms > 0, got {straggler_ms}, "
                           f"{sample_cost_ms}")
+    if not args.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
     if args.sync_every < 0:
         raise ConfigError(f"--sync-every must be >= 0 steps, got {args.sync_every}")
     if args.global_batch < nproc:
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
-                   "--sync-every", args.sync_every, "--quorum", quorum, "--seed", args.seed]
+                   "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--seed", args.seed]
     raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=len(PAIRINGS) * epochs * steps,
                          description="steps", unit="step")
     return summarize(raw, speeds, quorum)
@@ -182,6 +185,7 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--sample-cost-ms", type=float, required=True)
     parser.add_argument("--sync-every", type=int, required=True)
     parser.add_argument("--quorum", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -210,7 +214,7 @@ def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emul
     model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation)
     loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size,
                                        sampler=DistributedSampler(split.train, seed=args.seed)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
     trained_s, steps = 0.0, 0
