@@ -1,7 +1,8 @@
 """The simulator against real runs: emulated ranks of the drop-in, and ``sim/engine.py`` on the same settings.
 
-For 4, 8 and 16 local ranks (``--nproc``), one launch trains a tiny model through
-the drop-in (``hetdp.DDP``) under each setting: unequal speeds (the pattern
+For 4, 8 and 16 local ranks (``--nproc``; one launch of the largest count, the
+first n ranks in a group of their own), a tiny model trains through the drop-in
+(``hetdp.DDP``) under each setting: unequal speeds (the pattern
 ``--speeds`` repeated over the ranks), one random straggler per step, a device
 curve (a fixed cost per step and a knee on half of the ranks), each with the
 pairings that answer it: equal, static and adaptive allocation, allreduce,
@@ -10,7 +11,7 @@ to ``samples x --sample-cost-ms / speed``), so 16 ranks on 2 cores measure the
 schedule rather than the cores' contention.
 
 The simulator predicts, it is not fitted per row. What it takes from this
-machine is measured once per launch, before the rows, on equal speeds and no
+machine is measured once per rank count, before the rows, on equal speeds and no
 straggler: the loop's own cost per step (the drop-in with local averaging, no
 communication), and on top of it a synchronous allreduce (allreduce) and a
 partial round (``full`` partial allreduce). Every row's compute times come from
@@ -24,6 +25,7 @@ Run as a module under torchrun it is the worker; imported, it is the benchmark.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -56,6 +58,8 @@ PER_RANK_BATCH = 16
 FEATURES = 8
 TARGET = 0.10
 """The largest |predicted / measured - 1| the simulator may show on any row."""
+WAIT_S = 1800.0
+"""Seconds the ranks outside a run's group may wait for it, at a barrier."""
 DEVICE_CURVE = DeviceModel(step_overhead_ms=20.0, knee=12)
 """The device of half of the ranks in the device-curve setting: a fixed cost per step, a throughput knee."""
 
@@ -132,20 +136,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            widths={"setting": 16, "strategy": 17})
     rows: list[dict[str, Any]] = []
     calibrations: dict[int, dict[str, float]] = {}
-    for nproc in counts:
-        def on_row(event: dict[str, Any], nproc: int = nproc) -> None:
-            if "calibration" in event:
-                calibrations[nproc] = event["calibration"]
-                return
-            row = predict(event, nproc, speeds, args, steps, calibrations[nproc])
-            rows.append(row)
-            print_above_progress(table.format(row))
 
-        worker_args = ["--speeds", args.speeds, "--steps", steps, "--sample-cost-ms", args.sample_cost_ms,
-                       "--straggler-ms", args.straggler_ms, "--seed", args.seed,
-                       "--settings", json.dumps([[s.name, s.strategy] for s in settings])]
-        launch_workers("hetdp.bench.simcheck", nproc, worker_args, total=len(CALIBRATION) + len(settings),
-                       description=f"{nproc} ranks", unit="run", on_row=on_row)
+    def on_row(event: dict[str, Any]) -> None:
+        if "calibration" in event:
+            calibrations[event["ranks"]] = event["calibration"]
+            return
+        row = predict(event, speeds, args, steps, calibrations[event["ranks"]])
+        rows.append(row)
+        print_above_progress(table.format(row))
+
+    worker_args = ["--counts", ",".join(map(str, counts)), "--speeds", args.speeds, "--steps", steps,
+                   "--sample-cost-ms", args.sample_cost_ms, "--straggler-ms", args.straggler_ms, "--seed", args.seed,
+                   "--settings", json.dumps([[s.name, s.strategy] for s in settings])]
+    launch_workers("hetdp.bench.simcheck", max(counts), worker_args,
+                   total=len(counts) * (len(CALIBRATION) + len(settings)), description="runs", unit="run",
+                   on_row=on_row)
     errors = [abs(row["error"]) for row in rows]
     return {"nproc": counts, "speeds": list(speeds), "steps": steps, "sample_cost_ms": args.sample_cost_ms,
             "straggler_ms": args.straggler_ms, "calibration": {str(n): c for n, c in calibrations.items()},
@@ -167,9 +172,10 @@ def loop_costs(calibration: dict[str, float], emulated: Emulation, nproc: int) -
                      static_weights=emulated.speeds_at(0))
 
 
-def predict(measured: dict[str, Any], nproc: int, speeds: tuple[float, ...], args: argparse.Namespace, steps: int,
+def predict(measured: dict[str, Any], speeds: tuple[float, ...], args: argparse.Namespace, steps: int,
             calibration: dict[str, float]) -> dict[str, Any]:
     """The simulator's samples per second for a measured row, and the ratio."""
+    nproc = measured["ranks"]
     emulated = emulation(measured["setting"], nproc, speeds, args.sample_cost_ms, args.straggler_ms, args.seed)
     result = simulate_strategy(Strategy.parse(measured["strategy"]), loop_costs(calibration, emulated, nproc),
                                world_size=nproc, global_batch=PER_RANK_BATCH * nproc, steps=steps)
@@ -188,7 +194,7 @@ def render(result: dict[str, Any]) -> str:
                       f"partial round {1e3 * c['round_s']:.1f} ms" for n, c in result["calibration"].items())
     return "\n".join([
         format_table(result["rows"], columns, title=title),
-        f"measured on this machine once per launch, equal speeds: {costs}",
+        f"measured on this machine once per rank count, equal speeds: {costs}",
         (f"error = predicted / measured - 1; max_abs_error {result['max_abs_error']:.3f} (target "
          f"{TARGET:.2f}), mean {result['mean_abs_error']:.3f}"),
     ])
@@ -200,6 +206,7 @@ def render(result: dict[str, Any]) -> str:
 def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.simcheck")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--counts", required=True)
     parser.add_argument("--speeds", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--sample-cost-ms", type=float, required=True)
@@ -208,32 +215,45 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    rank, world_size = init_distributed()
+    rank, _ = init_distributed()
     torch.set_num_threads(1)
     progress = EventWriter(enabled=rank == 0)
+    # One launch for every rank count (starting 16 processes on 2 cores takes half a minute): the first n ranks
+    # train in a group of their own while the others wait, blocked, at a barrier with room for the longest run.
+    everyone = dist.new_group(timeout=datetime.timedelta(seconds=WAIT_S))
+    rows = []
+    for nproc in _counts(args.counts):
+        group = dist.new_group(list(range(nproc)))
+        if rank < nproc:
+            rows += _rows(args, group, nproc, progress)
+        dist.barrier(group=everyone)
+    if rank == 0:
+        args.out.write_text(json.dumps({"rows": rows}))
+    dist.destroy_process_group()
+
+
+def _rows(args: argparse.Namespace, group: dist.ProcessGroup, nproc: int, progress: EventWriter) -> list[dict]:
+    """Calibrate on ``group``, then measure every setting on it."""
     speeds = parse_speeds(args.speeds)
     block_s = PER_RANK_BATCH * args.sample_cost_ms / 1000.0
     homogeneous = Emulation(sample_cost_ms=args.sample_cost_ms, seed=args.seed)
     seconds = {}
     for part, sync in CALIBRATION.items():
-        seconds[part] = _measure(args, "equal", sync, homogeneous, world_size)["seconds"] / args.steps - block_s
+        seconds[part] = _measure(args, "equal", sync, homogeneous, group)["seconds"] / args.steps - block_s
         progress.update()
     loop_s = max(seconds["loop"], 0.0)
     calibration = {"loop_s": loop_s, "allreduce_s": max(seconds["allreduce"] - loop_s, 0.0),
                    "round_s": max(seconds["round"] - loop_s, 0.0)}
-    progress.update(0, row={"calibration": calibration})
+    progress.update(0, row={"ranks": nproc, "calibration": calibration})
     rows = []
     for setting, strategy in json.loads(args.settings):
-        emulated = emulation(setting, world_size, speeds, args.sample_cost_ms, args.straggler_ms, args.seed)
-        measured = _measure(args, *drop_in_pairing(Strategy.parse(strategy), emulated, world_size), emulated,
-                            world_size)
-        row = {"setting": setting, "strategy": strategy, "samples_per_s": measured["samples_per_s"],
-               "shares": measured["shares"]}
+        emulated = emulation(setting, nproc, speeds, args.sample_cost_ms, args.straggler_ms, args.seed)
+        measured = _measure(args, *drop_in_pairing(Strategy.parse(strategy), emulated, nproc), emulated, group)
+        row = {"ranks": nproc, "setting": setting, "strategy": strategy,
+               "samples_per_s": measured["samples_per_s"], "shares": measured["shares"]}
         rows.append(row)
         progress.update(row=row)
-    if rank == 0:
-        args.out.write_text(json.dumps({"calibration": calibration, "rows": rows}))
-    dist.destroy_process_group()
+    return rows
 
 
 def drop_in_pairing(strategy: Strategy, emulated: Emulation, world_size: int) -> tuple[AllocationPolicy, str]:
@@ -248,18 +268,20 @@ def drop_in_pairing(strategy: Strategy, emulated: Emulation, world_size: int) ->
 
 
 def _measure(args: argparse.Namespace, allocation: str | AllocationPolicy, sync: str, emulated: Emulation,
-             world_size: int) -> dict[str, Any]:
-    """Train ``args.steps`` steps of one pairing, in a user's loop; the seconds from a barrier to the epoch's end."""
-    global_batch = PER_RANK_BATCH * world_size
+             group: dist.ProcessGroup) -> dict[str, Any]:
+    """Train ``args.steps`` steps of one pairing on ``group``, in a user's loop; the seconds from a barrier to the
+    epoch's end."""
+    global_batch = PER_RANK_BATCH * dist.get_world_size(group)
     generator = torch.Generator().manual_seed(args.seed)
     data = TensorDataset(torch.randn(args.steps * global_batch, FEATURES, generator=generator),
                          torch.randint(0, 4, (args.steps * global_batch,), generator=generator))
     torch.manual_seed(args.seed)
     net = nn.Linear(FEATURES, 4)
-    with DistributedDataParallel(net, allocation, sync, emulation=emulated) as model:
-        loader = model.allocate(DataLoader(data, batch_size=PER_RANK_BATCH, sampler=DistributedSampler(data)))
+    with DistributedDataParallel(net, allocation, sync, emulation=emulated, process_group=group) as model:
+        sampler = DistributedSampler(data, num_replicas=model.world_size, rank=model.rank)
+        loader = model.allocate(DataLoader(data, batch_size=PER_RANK_BATCH, sampler=sampler))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        dist.barrier()
+        dist.barrier(group=group)
         started = time.perf_counter()
         for inputs, labels in loader:
             optimizer.zero_grad()

@@ -262,7 +262,7 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
     next_step = np.zeros(n, dtype=int)  # index into compute of each rank's next step
     ends = np.zeros(n)
     flushing: set[int] = set()
-    arrived: list[int] = []  # ranks waiting at the open round
+    arrived: dict[int, None] = {}  # ranks waiting at the open round, in arrival order
     events = [(starts[i] + costs.loop_s + compute[0][i], i, False) for i in range(n)]  # (time, rank, flushes)
     heapq.heapify(events)
 
@@ -308,7 +308,7 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
             resume(rank, free_s)
             continue
         else:
-            arrived.append(rank)
+            arrived[rank] = None
         if fires():
             fire(now_s)
     return ends
