@@ -41,7 +41,7 @@ def test_help_shows_every_default(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
     text = " ".join(out.split())
-    for flag in ("--steps N steps (synchronous) or rounds (partial) per strategy (default 200)",
+    for flag in ("--steps N steps per strategy, every worker runs all of them (default 200)",
                  "--jitter SIGMA", "(default 0.05; 0: none)", "--seed SEED seed of speeds, jitter and stragglers",
                  "--straggler-probability P", "(default 0.01)", "--straggler-delay-ms MS", "(default 300)",
                  "fresh %:"):

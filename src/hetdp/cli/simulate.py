@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Step-level simulation of each strategy on a cluster of unequal workers (speeds given, or "
         "drawn log-normally), with per-step jitter, random stragglers and the cost of a ring, tree, doubling or "
         "hierarchical allreduce; prints the throughput of each strategy and where the workers' time goes. With "
-        "--scales, a projection table instead: each strategy's speedup over equal at each number of workers.",
+        "--scales, a projection table instead: each strategy's samples/s over the first one's at each number of "
+        "workers.",
         epilog=COLUMNS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "or --speeds repeated; global batch 64 per worker) instead of one table")
     parser.add_argument("--global-batch", type=int, metavar="B", help="samples per step (default 64 per worker)")
     parser.add_argument("--steps", type=int, default=200, metavar="N",
-                        help="steps (synchronous) or rounds (partial) per strategy (default 200)")
+                        help="steps per strategy, every worker runs all of them (default 200)")
     parser.add_argument("--replan-every", type=int, default=2, metavar="N",
                         help="adaptive: steps between re-plans until the shares settle (default 2, as hetdp.Adaptive)")
     parser.add_argument("--quorum", type=int, metavar="K",
