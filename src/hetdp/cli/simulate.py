@@ -18,6 +18,8 @@ from hetdp.sim.model import STRATEGIES, SimulatedCluster, SimulationResult, simu
 from hetdp.sim.network import ALGORITHMS
 
 DEFAULT_WORKERS = 1000
+BATCH_PER_WORKER = 64
+"""The global batch's samples per worker when --global-batch is not given, and in every projection."""
 COLUMNS = """\
 strategies: ALLOCATION+SYNC as `hetdp run --allocation A --sync S` spells them: equal, static (shares by speed) or
   adaptive (the drop-in's own re-planning), with allreduce (the default), solo, majority, quorum[:K] or local[:K]
@@ -58,8 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default ring)")
     parser.add_argument("--scales", metavar="N1,N2,...",
                         help="project every strategy to these numbers of workers (e.g. 100,1000,10000; speeds drawn, "
-                        "or --speeds repeated; global batch 64 per worker) instead of one table")
-    parser.add_argument("--global-batch", type=int, metavar="B", help="samples per step (default 64 per worker)")
+                        f"or --speeds repeated; global batch {BATCH_PER_WORKER} per worker) instead of one table")
+    parser.add_argument("--global-batch", type=int, metavar="B",
+                        help=f"samples per step (default {BATCH_PER_WORKER} per worker)")
     parser.add_argument("--steps", type=int, default=200, metavar="N",
                         help="steps per strategy, every worker runs all of them (default 200)")
     parser.add_argument("--replan-every", type=int, default=2, metavar="N",
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return project(args, strategies, algorithms, parse_scales(args.scales))
     speeds = worker_speeds(args)
     check_flags(args, len(speeds))
-    global_batch = args.global_batch or 64 * len(speeds)
+    global_batch = args.global_batch or BATCH_PER_WORKER * len(speeds)
     tables, figures = [], {"workers": len(speeds), "global_batch": global_batch, "allreduce": {}, "results": []}
     for algorithm in algorithms:
         cluster = make_cluster(args, speeds, algorithm)
@@ -193,39 +196,41 @@ def project(args: argparse.Namespace, strategies: list[Strategy], algorithms: li
     rows: list[dict] = []
     for workers in scales:
         speeds = tuple(base[i % len(base)] for i in range(workers)) if base else worker_speeds(args, workers)
-        check_flags(args, workers, global_batch=64 * workers)
+        global_batch = BATCH_PER_WORKER * workers
+        check_flags(args, workers, global_batch=global_batch)
         for algorithm in algorithms:
             cluster = make_cluster(args, speeds, algorithm)
-            results = run_strategies(cluster, strategies, 64 * workers, args)
+            results = run_strategies(cluster, strategies, global_batch, args)
             rows += [{"allreduce": algorithm, "workers": workers, "strategy": r.strategy,
                       "samples_per_s": r.samples_per_s, "vs_first": r.samples_per_s / results[0].samples_per_s,
                       "allreduce_s": cluster.allreduce_s(), "ideal_speedup": ideal_speedup(cluster)} for r in results]
     print(render_projection(rows, strategies, algorithms, scales, args))
     if args.json:
-        write_json(args.json, {"scales": scales, "global_batch_per_worker": 64, "projection": rows})
+        write_json(args.json, {"scales": scales, "global_batch_per_worker": BATCH_PER_WORKER, "projection": rows})
         print(f"figures written to {args.json}")
     return 0
 
 
 def render_projection(rows: list[dict], strategies: list[Strategy], algorithms: list[str], scales: list[int],
                       args: argparse.Namespace) -> str:
-    first = strategies[0].name
+    """One table per algorithm (a row per strategy, a column per scale), under a line of the assumptions."""
+    cell = {(r["allreduce"], r["workers"], r["strategy"]): r for r in rows}
     speeds = f"speeds {args.speeds} repeated" if args.speeds else f"speeds log-normal (sigma {args.speed_spread:g})"
-    lines = [f"projection: samples/s as a multiple of {first}'s at the same scale ({speeds}, x {args.samples_per_s:g} "
-             f"samples/s; global batch 64 per worker; {args.steps} steps; jitter {args.jitter:g}; stragglers "
-             f"{args.straggler_probability:g} x {args.straggler_delay_ms:g} ms; gradient {args.model_mb:g} MB; "
-             f"links {args.latency_us:g} us, {args.bandwidth_gbps:g} Gb/s between nodes"
-             + (f", {args.local_size} per node at {args.local_latency_us:g} us, {args.local_bandwidth_gbps:g} Gb/s)"
-                if "hierarchical" in algorithms else ")")]
+    inside = (f", {args.local_size} per node at {args.local_latency_us:g} us, {args.local_bandwidth_gbps:g} Gb/s"
+              if "hierarchical" in algorithms else "")
+    first = strategies[0].name
+    header = (f"projection: samples/s as a multiple of {first}'s at the same scale ({speeds}, x "
+              f"{args.samples_per_s:g} samples/s; global batch {BATCH_PER_WORKER} per worker; {args.steps} steps; "
+              f"jitter {args.jitter:g}; stragglers {args.straggler_probability:g} x {args.straggler_delay_ms:g} ms; "
+              f"gradient {args.model_mb:g} MB; links {args.latency_us:g} us, {args.bandwidth_gbps:g} Gb/s between "
+              f"nodes{inside})")
+    lines = [header]
     for algorithm in algorithms:
-        table = [{"strategy": s.name, **{f"{n:,} workers": next(r["vs_first"] for r in rows if r["allreduce"] ==
-                                                               algorithm and r["workers"] == n and r["strategy"] == s.name)
-                                        for n in scales}} for s in strategies]
-        costs = ", ".join(f"{next(r['allreduce_s'] for r in rows if r['allreduce'] == algorithm and r['workers'] == n):.3g}"
-                          f" s at {n:,}" for n in scales)
-        lines += ["", format_table(table, title=f"{algorithm} allreduce ({costs}; ideal allocation speedup "
-                                   + ", ".join(f"{next(r['ideal_speedup'] for r in rows if r['workers'] == n):.2f}"
-                                               for n in scales) + ")")]
+        table = [{"strategy": s.name, **{f"{n:,} workers": cell[algorithm, n, s.name]["vs_first"] for n in scales}}
+                 for s in strategies]
+        costs = ", ".join(f"{cell[algorithm, n, first]['allreduce_s']:.3g} s at {n:,}" for n in scales)
+        ideal = ", ".join(f"{cell[algorithm, n, first]['ideal_speedup']:.2f}" for n in scales)
+        lines += ["", format_table(table, title=f"{algorithm} allreduce ({costs}; ideal allocation speedup {ideal})")]
     return "\n".join(lines)
 
 
