@@ -85,6 +85,9 @@ SETTINGS = (
     Setting("device curve", "adaptive"),
 )
 QUICK_SETTINGS = tuple(SETTINGS[i] for i in (0, 2, 4, 5, 6, 7))
+COLUMNS = {"ranks": "ranks", "setting": "setting", "strategy": "strategy", "measured/s": "measured_samples_per_s",
+           "predicted/s": "predicted_samples_per_s", "error": "error"}
+"""Table column -> JSON key of a row."""
 CALIBRATION = {"loop": "local", "allreduce": "allreduce", "round": "full"}
 """Homogeneous runs (equal allocation) that measure this machine's costs: the loop alone (local averaging, once
 at the end), with an allreduce per step, with a partial round per step (``full``: every rank arrives)."""
@@ -132,8 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{args.straggler_ms}")
     steps = args.steps or (10 if args.quick else 40)
     settings = QUICK_SETTINGS if args.quick else SETTINGS
-    table = StreamingTable(["ranks", "setting", "strategy", "measured/s", "predicted/s", "error"],
-                           widths={"setting": 16, "strategy": 17})
+    table = StreamingTable(list(COLUMNS), widths={"setting": 16, "strategy": 17})
     rows: list[dict[str, Any]] = []
     calibrations: dict[int, dict[str, float]] = {}
 
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return
         row = predict(event, speeds, args, steps, calibrations[event["ranks"]])
         rows.append(row)
-        print_above_progress(table.format(row))
+        print_above_progress(table.format(_display(row)))
 
     worker_args = ["--counts", ",".join(map(str, counts)), "--speeds", args.speeds, "--steps", steps,
                    "--sample-cost-ms", args.sample_cost_ms, "--straggler-ms", args.straggler_ms, "--seed", args.seed,
@@ -180,20 +182,23 @@ def predict(measured: dict[str, Any], speeds: tuple[float, ...], args: argparse.
     result = simulate_strategy(Strategy.parse(measured["strategy"]), loop_costs(calibration, emulated, nproc),
                                world_size=nproc, global_batch=PER_RANK_BATCH * nproc, steps=steps)
     return {"ranks": nproc, "setting": measured["setting"], "strategy": measured["strategy"],
-            "measured/s": measured["samples_per_s"], "predicted/s": result.samples_per_s,
+            "measured_samples_per_s": measured["samples_per_s"], "predicted_samples_per_s": result.samples_per_s,
             "error": result.samples_per_s / measured["samples_per_s"] - 1.0,
             "measured_shares": measured["shares"], "predicted_shares": result.final_shares}
 
 
+def _display(row: dict[str, Any]) -> dict[str, Any]:
+    return {column: row[key] for column, key in COLUMNS.items()}
+
+
 def render(result: dict[str, Any]) -> str:
-    columns = ["ranks", "setting", "strategy", "measured/s", "predicted/s", "error"]
     title = (f"simulator vs emulated ranks of the drop-in: speeds {result['speeds']} repeated, {result['steps']} "
              f"steps per row, {result['sample_cost_ms']:g} ms per sample at speed 1, straggler "
              f"{result['straggler_ms']:g} ms")
     costs = "; ".join(f"{n} ranks: loop {1e3 * c['loop_s']:.1f} ms, allreduce {1e3 * c['allreduce_s']:.1f} ms, "
                       f"partial round {1e3 * c['round_s']:.1f} ms" for n, c in result["calibration"].items())
     return "\n".join([
-        format_table(result["rows"], columns, title=title),
+        format_table([_display(row) for row in result["rows"]], title=title),
         f"measured on this machine once per rank count, equal speeds: {costs}",
         (f"error = predicted / measured - 1; max_abs_error {result['max_abs_error']:.3f} (target "
          f"{TARGET:.2f}), mean {result['mean_abs_error']:.3f}"),
