@@ -7,7 +7,7 @@ from hetdp.allocate.policy import Adaptive, Static
 from hetdp.bench.simcheck import drop_in_pairing, emulation, loop_costs
 from hetdp.sim.engine import Strategy
 
-CALIBRATION = {"loop_s": 0.002, "allreduce_s": 0.003, "round_s": 0.01}
+CALIBRATION = {"loop_s": 0.002, "allreduce_s": 0.003, "round_s": 0.01, "gather_s": 0.004}
 
 
 @pytest.mark.parametrize("setting", ["speeds", "straggler", "speeds+straggler", "device curve"])

@@ -13,8 +13,9 @@ schedule rather than the cores' contention.
 The simulator predicts, it is not fitted per row. What it takes from this
 machine is measured once per rank count, before the rows, on equal speeds and no
 straggler: the loop's own cost per step (the drop-in with local averaging, no
-communication), and on top of it a synchronous allreduce (allreduce) and a
-partial round (``full`` partial allreduce). Every row's compute times come from
+communication), and on top of it a synchronous allreduce, a partial round
+(``full`` partial allreduce) and the gather of step figures an adaptive
+allocation re-plans from (metrics gathered every step). Every row's compute times come from
 the row's emulation settings, as the ranks pace themselves. Figures per row:
 measured and predicted samples per second and their ratio; ``max_abs_error``
 is the largest |predicted / measured - 1| (target 0.10).
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ from hetdp.report import StreamingTable, format_table, print_above_progress
 from hetdp.runtime import init_distributed
 from hetdp.sim.engine import LoopCosts, Strategy, simulate_strategy
 from hetdp.train.ddp import DistributedDataParallel
+from hetdp.train.metrics import MetricsConfig
 
 DEFAULT_NPROC = "4,8,16"
 DEFAULT_SPEEDS = "1,1,2,4"
@@ -88,9 +91,10 @@ QUICK_SETTINGS = tuple(SETTINGS[i] for i in (0, 2, 4, 5, 6, 7))
 COLUMNS = {"ranks": "ranks", "setting": "setting", "strategy": "strategy", "measured/s": "measured_samples_per_s",
            "predicted/s": "predicted_samples_per_s", "error": "error"}
 """Table column -> JSON key of a row."""
-CALIBRATION = {"loop": "local", "allreduce": "allreduce", "round": "full"}
+CALIBRATION = {"loop": "local", "allreduce": "allreduce", "round": "full", "gather": "allreduce"}
 """Homogeneous runs (equal allocation) that measure this machine's costs: the loop alone (local averaging, once
-at the end), with an allreduce per step, with a partial round per step (``full``: every rank arrives)."""
+at the end), with an allreduce per step, with a partial round per step (``full``: every rank arrives), with an
+allreduce and a gather of the step's figures per step (metrics every step, as an adaptive allocation gathers)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,12 +170,9 @@ def loop_costs(calibration: dict[str, float], emulated: Emulation, nproc: int) -
         return np.array([emulated.straggler_delay_s(step, rank, nproc) + emulated.block_s(rank, share, step)
                          for rank, share in enumerate(shares)])
 
-    # A re-plan's gather is a collective after the step's own, with as much work again around it (recording the
-    # figures, re-planning): priced as one more allreduce and loop.
-    gather_s = calibration["allreduce_s"] + calibration["loop_s"]
     return LoopCosts(compute_s=compute_s, loop_s=calibration["loop_s"], allreduce_s=calibration["allreduce_s"],
-                     round_s=calibration["round_s"], average_s=calibration["allreduce_s"], gather_s=gather_s,
-                     static_weights=emulated.speeds_at(0))
+                     round_s=calibration["round_s"], average_s=calibration["allreduce_s"],
+                     gather_s=calibration["gather_s"], static_weights=emulated.speeds_at(0))
 
 
 def predict(measured: dict[str, Any], speeds: tuple[float, ...], args: argparse.Namespace, steps: int,
@@ -196,7 +197,8 @@ def render(result: dict[str, Any]) -> str:
              f"steps per row, {result['sample_cost_ms']:g} ms per sample at speed 1, straggler "
              f"{result['straggler_ms']:g} ms")
     costs = "; ".join(f"{n} ranks: loop {1e3 * c['loop_s']:.1f} ms, allreduce {1e3 * c['allreduce_s']:.1f} ms, "
-                      f"partial round {1e3 * c['round_s']:.1f} ms" for n, c in result["calibration"].items())
+                      f"partial round {1e3 * c['round_s']:.1f} ms, gather {1e3 * c['gather_s']:.1f} ms"
+                      for n, c in result["calibration"].items())
     return "\n".join([
         format_table([_display(row) for row in result["rows"]], title=title),
         f"measured on this machine once per rank count, equal speeds: {costs}",
@@ -243,12 +245,16 @@ def _rows(args: argparse.Namespace, group: dist.ProcessGroup, nproc: int, progre
     block_s = PER_RANK_BATCH * args.sample_cost_ms / 1000.0
     homogeneous = Emulation(sample_cost_ms=args.sample_cost_ms, seed=args.seed)
     seconds = {}
-    for part, sync in CALIBRATION.items():
-        seconds[part] = _measure(args, "equal", sync, homogeneous, group)["seconds"] / args.steps - block_s
-        progress.update()
+    with tempfile.TemporaryDirectory() as folder:
+        for part, sync in CALIBRATION.items():
+            metrics = MetricsConfig(csv=Path(folder) / "steps.csv", every=1) if part == "gather" else None
+            measured = _measure(args, "equal", sync, homogeneous, group, metrics)
+            seconds[part] = measured["seconds"] / args.steps - block_s
+            progress.update()
     loop_s = max(seconds["loop"], 0.0)
     calibration = {"loop_s": loop_s, "allreduce_s": max(seconds["allreduce"] - loop_s, 0.0),
-                   "round_s": max(seconds["round"] - loop_s, 0.0)}
+                   "round_s": max(seconds["round"] - loop_s, 0.0),
+                   "gather_s": max(seconds["gather"] - seconds["allreduce"], 0.0)}
     progress.update(0, row={"ranks": nproc, "calibration": calibration})
     rows = []
     for setting, strategy in json.loads(args.settings):
@@ -273,7 +279,7 @@ def drop_in_pairing(strategy: Strategy, emulated: Emulation, world_size: int) ->
 
 
 def _measure(args: argparse.Namespace, allocation: str | AllocationPolicy, sync: str, emulated: Emulation,
-             group: dist.ProcessGroup) -> dict[str, Any]:
+             group: dist.ProcessGroup, metrics: MetricsConfig | None = None) -> dict[str, Any]:
     """Train ``args.steps`` steps of one pairing on ``group``, in a user's loop; the seconds from a barrier to the
     epoch's end."""
     global_batch = PER_RANK_BATCH * dist.get_world_size(group)
@@ -282,7 +288,8 @@ def _measure(args: argparse.Namespace, allocation: str | AllocationPolicy, sync:
                          torch.randint(0, 4, (args.steps * global_batch,), generator=generator))
     torch.manual_seed(args.seed)
     net = nn.Linear(FEATURES, 4)
-    with DistributedDataParallel(net, allocation, sync, emulation=emulated, process_group=group) as model:
+    with DistributedDataParallel(net, allocation, sync, emulation=emulated, process_group=group,
+                                 metrics=metrics) as model:
         sampler = DistributedSampler(data, num_replicas=model.world_size, rank=model.rank)
         loader = model.allocate(DataLoader(data, batch_size=PER_RANK_BATCH, sampler=sampler))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
