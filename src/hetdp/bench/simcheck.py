@@ -170,8 +170,10 @@ def loop_costs(calibration: dict[str, float], emulated: Emulation, nproc: int) -
         return np.array([emulated.straggler_delay_s(step, rank, nproc) + emulated.block_s(rank, share, step)
                          for rank, share in enumerate(shares)])
 
+    # A meeting's parameter averaging is one collective of gloo's own, as the gather is (the drop-in's gradient
+    # allreduce sends a small last bucket by recursive doubling instead): priced as the gather.
     return LoopCosts(compute_s=compute_s, loop_s=calibration["loop_s"], allreduce_s=calibration["allreduce_s"],
-                     round_s=calibration["round_s"], average_s=calibration["allreduce_s"],
+                     round_s=calibration["round_s"], average_s=calibration["gather_s"],
                      gather_s=calibration["gather_s"], static_weights=emulated.speeds_at(0))
 
 
