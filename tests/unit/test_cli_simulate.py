@@ -41,7 +41,7 @@ def test_help_shows_every_default(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
     text = " ".join(out.split())
-    for flag in ("--steps N steps (synchronous) or rounds (partial) per strategy (default 200)",
+    for flag in ("--steps N steps per strategy, every worker runs all of them (default 200)",
                  "--jitter SIGMA", "(default 0.05; 0: none)", "--seed SEED seed of speeds, jitter and stragglers",
                  "--straggler-probability P", "(default 0.01)", "--straggler-delay-ms MS", "(default 300)",
                  "fresh %:"):
@@ -63,3 +63,38 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
     code, _, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and message in err and err.startswith("hetdp simulate: error: ")
+
+
+def test_each_allreduce_algorithm_gets_its_own_table(capsys, tmp_path):
+    path = tmp_path / "sim.json"
+    code, out, _ = run_cli(capsys, "--workers", "64", "--steps", "5", "--strategies", "equal,adaptive+majority",
+                           "--allreduce", "ring,tree,hierarchical", "--json", str(path))
+    assert code == 0
+    for algorithm in ("ring", "tree", "hierarchical"):
+        assert f"global batch 4096, {algorithm} allreduce" in out
+    figures = json.loads(path.read_text())
+    assert set(figures["allreduce"]) == {"ring", "tree", "hierarchical"}
+    assert {(r["allreduce"], r["strategy"]) for r in figures["results"]} == {
+        (a, s) for a in ("ring", "tree", "hierarchical") for s in ("equal", "adaptive+majority")}
+
+
+def test_scales_project_every_strategy_against_the_first(capsys, tmp_path):
+    path = tmp_path / "projection.json"
+    code, out, _ = run_cli(capsys, "--scales", "8,32", "--steps", "5", "--strategies", "equal,static,equal+solo",
+                           "--speeds", "1,2", "--json", str(path))
+    assert code == 0
+    assert "ring allreduce" in out and "8 workers" in out and "32 workers" in out
+    rows = json.loads(path.read_text())["projection"]
+    assert len(rows) == 6 and all(r["vs_first"] == 1.0 for r in rows if r["strategy"] == "equal")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--allreduce", "butterfly"], "--allreduce: unknown 'butterfly'; choose from ring, tree, doubling, hierarchical"),
+    (["--scales", "100,x"], "--scales needs worker counts >= 1, got '100,x'"),
+    (["--strategies", "equal+local:0"], "--strategies: unknown 'equal+local:0'"),
+    (["--local-size", "0"], "--local-size must be >= 1, got 0"),
+])
+def test_bad_network_and_projection_flags_exit_2_with_one_line(capsys, argv, message):
+    code, _, err = run_cli(capsys, "--workers", "4", *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err

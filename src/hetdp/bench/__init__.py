@@ -16,5 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "devices": "adaptive allocation on emulated devices (fixed costs, knees, memory caps): paper's rule vs piecewise",
     "compose": "allocation x synchronization under unequal speeds and a random straggler: time to accuracy per pairing",
     "drift": "adaptive allocation when a device slows down after the shares settled: steps to recover, re-plans",
+    "simcheck": "the simulator against emulated ranks of the drop-in at 4, 8 and 16 ranks: predicted vs measured "
+                "samples/s per setting and pairing",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

@@ -1,4 +1,5 @@
-"""``hetdp simulate``: compare the strategies on a simulated cluster of any size, in seconds."""
+"""``hetdp simulate``: compare the strategies on a simulated cluster of any size, in seconds, or project them to
+several sizes (``--scales``) under each allreduce algorithm (``--allreduce``)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,35 @@ from hetdp.cluster.emulate import parse_speeds
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
 from hetdp.report import format_table
+from hetdp.sim.engine import Strategy
 from hetdp.sim.model import STRATEGIES, SimulatedCluster, SimulationResult, simulate
+from hetdp.sim.network import ALGORITHMS
 
 DEFAULT_WORKERS = 1000
+BATCH_PER_WORKER = 64
+"""The global batch's samples per worker when --global-batch is not given, and in every projection."""
 COLUMNS = """\
-columns: samples/step: gradient samples applied per step (the global batch; in a partial round, only
-  the gradients that arrived in time); samples/s = steps x samples/step / simulated s; fresh %: applied
-  gradients computed from the latest model (a stale one started before the previous round); compute, wait,
-  allreduce %: how the workers' time divides between computing, idling (for the slowest worker, or for a
-  partial round to fire) and the allreduce."""
+strategies: ALLOCATION+SYNC as `hetdp run --allocation A --sync S` spells them: equal, static (shares by speed) or
+  adaptive (the drop-in's own re-planning), with allreduce (the default), solo, majority, quorum[:K] or local[:K]
+  (parameter averaging every K steps); partial and local runs meet (flush, average) as the drop-in does.
+columns: samples/step: the global batch (a partial step's gradient that missed its round travels in the next);
+  samples/s = steps x samples/step / simulated s; fresh %: gradients that reached their round computed from the
+  latest model; compute, wait, allreduce %: how the workers' time divides between computing, idling (for the
+  slowest worker, for a partial round to fire, at a meeting) and collectives."""
+HOPS = {"ring": "2(N-1)", "tree": "2 ceil(log2 N)", "doubling": "log2 N, +2 beyond a power of 2",
+        "hierarchical": "2(L-1) in a node + 2 ceil(log2 nodes)"}
+"""How many latencies each allreduce algorithm pays, for the footer."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "simulate",
-        help="simulate equal / static / adaptive / solo / majority / quorum on many unequal workers",
+        help="simulate allocation x synchronization strategies on many unequal workers, or project them to scales",
         description="Step-level simulation of each strategy on a cluster of unequal workers (speeds given, or "
-        "drawn log-normally), with per-step jitter, random stragglers and a ring-allreduce cost; prints the "
-        "throughput of each strategy and where the workers' time goes.",
+        "drawn log-normally), with per-step jitter, random stragglers and the cost of a ring, tree, doubling or "
+        "hierarchical allreduce; prints the throughput of each strategy and where the workers' time goes. With "
+        "--scales, a projection table instead: each strategy's samples/s over the first one's at each number of "
+        "workers.",
         epilog=COLUMNS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -42,13 +54,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--speed-spread", type=float, default=0.6, metavar="SIGMA",
                         help="sigma of the drawn log-normal speeds, median 1 (default 0.6)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), metavar="S1,S2,...",
-                        help=f"comma-separated, from {', '.join(STRATEGIES)} (default all)")
-    parser.add_argument("--global-batch", type=int, metavar="B", help="samples per step (default 64 per worker)")
+                        help=f"comma-separated ALLOCATION+SYNC (default {','.join(STRATEGIES)})")
+    parser.add_argument("--allreduce", default="ring", metavar="A1,A2,...",
+                        help=f"allreduce algorithm(s), comma-separated, from {', '.join(ALGORITHMS)}; one table each "
+                        "(default ring)")
+    parser.add_argument("--scales", metavar="N1,N2,...",
+                        help="project every strategy to these numbers of workers (e.g. 100,1000,10000; speeds drawn, "
+                        f"or --speeds repeated; global batch {BATCH_PER_WORKER} per worker) instead of one table")
+    parser.add_argument("--global-batch", type=int, metavar="B",
+                        help=f"samples per step (default {BATCH_PER_WORKER} per worker)")
     parser.add_argument("--steps", type=int, default=200, metavar="N",
-                        help="steps (synchronous) or rounds (partial) per strategy (default 200)")
-    parser.add_argument("--replan-every", type=int, default=10, metavar="N",
-                        help="adaptive: steps between re-plans (default 10)")
-    parser.add_argument("--quorum", type=int, metavar="K", help="quorum: arrivals that fire a round (default N/2)")
+                        help="steps per strategy, every worker runs all of them (default 200)")
+    parser.add_argument("--replan-every", type=int, default=2, metavar="N",
+                        help="adaptive: steps between re-plans until the shares settle (default 2, as hetdp.Adaptive)")
+    parser.add_argument("--quorum", type=int, metavar="K",
+                        help="quorum without :K: arrivals that fire a round (default N/2, rounded up)")
     parser.add_argument("--jitter", type=float, default=0.05, metavar="SIGMA",
                         help="sigma of log-normal noise on every compute time (default 0.05; 0: none)")
     parser.add_argument("--straggler-probability", type=float, default=0.01, metavar="P",
@@ -56,9 +76,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--straggler-delay-ms", type=float, default=300.0, metavar="MS",
                         help="milliseconds a delayed worker loses (default 300)")
     parser.add_argument("--latency-us", type=float, default=50.0, metavar="US",
-                        help="latency of one allreduce hop, microseconds (default 50)")
+                        help="latency of one allreduce hop between nodes, microseconds (default 50)")
     parser.add_argument("--bandwidth-gbps", type=float, default=10.0, metavar="GBPS",
-                        help="link bandwidth of the allreduce, gigabits per second (default 10)")
+                        help="link bandwidth between nodes, gigabits per second (default 10)")
+    parser.add_argument("--local-size", type=int, default=8, metavar="L",
+                        help="hierarchical: workers per node (default 8)")
+    parser.add_argument("--local-latency-us", type=float, default=5.0, metavar="US",
+                        help="hierarchical: latency of one hop inside a node, microseconds (default 5)")
+    parser.add_argument("--local-bandwidth-gbps", type=float, default=200.0, metavar="GBPS",
+                        help="hierarchical: link bandwidth inside a node, gigabits per second (default 200)")
     parser.add_argument("--model-mb", type=float, default=40.0, metavar="MB",
                         help="gradient size, megabytes (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of speeds, jitter and stragglers (default 0)")
@@ -66,8 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def worker_speeds(args: argparse.Namespace) -> tuple[float, ...]:
-    """Relative speeds from --speeds, or drawn for --workers; raises ConfigError when the two disagree."""
+def worker_speeds(args: argparse.Namespace, workers: int | None = None) -> tuple[float, ...]:
+    """Relative speeds from --speeds, or drawn for --workers (or ``workers``); raises ConfigError when the two
+    disagree."""
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     if args.speeds:
@@ -79,19 +106,66 @@ def worker_speeds(args: argparse.Namespace) -> tuple[float, ...]:
     if not args.speed_spread >= 0:
         raise ConfigError(f"--speed-spread must be >= 0, got {args.speed_spread!r}")
     rng = np.random.default_rng(args.seed)
-    return tuple(float(v) for v in rng.lognormal(0.0, args.speed_spread, args.workers or DEFAULT_WORKERS))
+    count = workers or args.workers or DEFAULT_WORKERS
+    return tuple(float(v) for v in rng.lognormal(0.0, args.speed_spread, count))
 
 
 def run(args: argparse.Namespace) -> int:
     if args.json and args.json.endswith("/"):
         raise ConfigError(f"--json needs a file path, got the folder {args.json!r}")
+    strategies = parse_strategies(args.strategies)
+    algorithms = parse_list(args.allreduce, "--allreduce", ALGORITHMS)
+    if args.scales:
+        return project(args, strategies, algorithms, parse_scales(args.scales))
     speeds = worker_speeds(args)
-    strategies = [name.strip() for name in args.strategies.split(",")]
-    unknown = [name for name in strategies if name not in STRATEGIES]
-    if unknown:
-        raise ConfigError(f"--strategies: unknown {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     check_flags(args, len(speeds))
-    cluster = SimulatedCluster(
+    global_batch = args.global_batch or BATCH_PER_WORKER * len(speeds)
+    tables, figures = [], {"workers": len(speeds), "global_batch": global_batch, "allreduce": {}, "results": []}
+    for algorithm in algorithms:
+        cluster = make_cluster(args, speeds, algorithm)
+        results = run_strategies(cluster, strategies, global_batch, args)
+        tables.append(render(cluster, global_batch, results, args))
+        figures["ideal_speedup"] = ideal_speedup(cluster)
+        figures["allreduce"][algorithm] = vars(cluster.allreduce_cost())
+        figures["results"] += [{**vars(r), "allreduce": algorithm, "seconds": float(r.seconds)} for r in results]
+    print("\n\n".join([*tables, COLUMNS]))
+    if args.json:
+        write_json(args.json, figures)
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def parse_list(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in choices]
+    if unknown:
+        raise ConfigError(f"{flag}: unknown {unknown[0]!r}; choose from {', '.join(choices)}")
+    return names
+
+
+def parse_strategies(text: str) -> list[Strategy]:
+    strategies = []
+    for name in text.split(","):
+        try:
+            strategies.append(Strategy.parse(name))
+        except ConfigError as error:
+            raise ConfigError(f"--strategies: unknown {name.strip()!r} ({error})") from None
+    return strategies
+
+
+def parse_scales(text: str) -> list[int]:
+    try:
+        scales = [int(item.replace("_", "")) for item in text.split(",")]
+    except ValueError:
+        scales = []
+    if not scales or min(scales) < 1:
+        raise ConfigError(f"--scales needs worker counts >= 1, got {text!r}")
+    return scales
+
+
+def make_cluster(args: argparse.Namespace, speeds: tuple[float, ...], algorithm: str) -> SimulatedCluster:
+    """The simulated cluster of the flags, with ``speeds`` relative to ``--samples-per-s``."""
+    return SimulatedCluster(
         speeds=tuple(args.samples_per_s * v for v in speeds),
         jitter=args.jitter,
         straggler_probability=args.straggler_probability,
@@ -99,27 +173,71 @@ def run(args: argparse.Namespace) -> int:
         latency_s=args.latency_us / 1e6,
         bandwidth_gbps=args.bandwidth_gbps,
         model_mb=args.model_mb,
+        algorithm=algorithm,
+        local_size=args.local_size,
+        local_latency_s=args.local_latency_us / 1e6,
+        local_bandwidth_gbps=args.local_bandwidth_gbps,
     )
-    global_batch = args.global_batch or 64 * cluster.size
-    results = [
+
+
+def run_strategies(cluster: SimulatedCluster, strategies: list[Strategy], global_batch: int,
+                   args: argparse.Namespace) -> list[SimulationResult]:
+    return [
         simulate(cluster, strategy, global_batch=global_batch, steps=args.steps, replan_every=args.replan_every,
                  quorum=args.quorum, seed=args.seed)
-        for strategy in tqdm(strategies, desc="strategies", unit="strategy", leave=False, disable=None,
-                             file=sys.stderr)
+        for strategy in tqdm(strategies, desc=f"{cluster.size} workers, {cluster.algorithm}", unit="strategy",
+                             leave=False, disable=None, file=sys.stderr)
     ]
-    print(render(cluster, global_batch, results, args))
+
+
+def project(args: argparse.Namespace, strategies: list[Strategy], algorithms: list[str], scales: list[int]) -> int:
+    """Each strategy's samples/s and speedup over the first strategy at every scale, one table per algorithm."""
+    base = list(parse_speeds(args.speeds)) if args.speeds else None
+    rows: list[dict] = []
+    for workers in scales:
+        speeds = tuple(base[i % len(base)] for i in range(workers)) if base else worker_speeds(args, workers)
+        global_batch = BATCH_PER_WORKER * workers
+        check_flags(args, workers, global_batch=global_batch)
+        for algorithm in algorithms:
+            cluster = make_cluster(args, speeds, algorithm)
+            results = run_strategies(cluster, strategies, global_batch, args)
+            rows += [{"allreduce": algorithm, "workers": workers, "strategy": r.strategy,
+                      "samples_per_s": r.samples_per_s, "vs_first": r.samples_per_s / results[0].samples_per_s,
+                      "allreduce_s": cluster.allreduce_s(), "ideal_speedup": ideal_speedup(cluster)} for r in results]
+    print(render_projection(rows, strategies, algorithms, scales, args))
     if args.json:
-        write_json(args.json, {"workers": cluster.size, "global_batch": global_batch,
-                               "ideal_speedup": ideal_speedup(cluster),
-                               "allreduce": vars(cluster.allreduce_cost()),
-                               "results": [{**vars(r), "seconds": float(r.seconds)} for r in results]})
+        write_json(args.json, {"scales": scales, "global_batch_per_worker": BATCH_PER_WORKER, "projection": rows})
         print(f"figures written to {args.json}")
     return 0
 
 
-def check_flags(args: argparse.Namespace, workers: int) -> None:
+def render_projection(rows: list[dict], strategies: list[Strategy], algorithms: list[str], scales: list[int],
+                      args: argparse.Namespace) -> str:
+    """One table per algorithm (a row per strategy, a column per scale), under a line of the assumptions."""
+    cell = {(r["allreduce"], r["workers"], r["strategy"]): r for r in rows}
+    speeds = f"speeds {args.speeds} repeated" if args.speeds else f"speeds log-normal (sigma {args.speed_spread:g})"
+    inside = (f", {args.local_size} per node at {args.local_latency_us:g} us, {args.local_bandwidth_gbps:g} Gb/s"
+              if "hierarchical" in algorithms else "")
+    first = strategies[0].name
+    header = (f"projection: samples/s as a multiple of {first}'s at the same scale ({speeds}, x "
+              f"{args.samples_per_s:g} samples/s; global batch {BATCH_PER_WORKER} per worker; {args.steps} steps; "
+              f"jitter {args.jitter:g}; stragglers {args.straggler_probability:g} x {args.straggler_delay_ms:g} ms; "
+              f"gradient {args.model_mb:g} MB; links {args.latency_us:g} us, {args.bandwidth_gbps:g} Gb/s between "
+              f"nodes{inside})")
+    lines = [header]
+    for algorithm in algorithms:
+        table = [{"strategy": s.name, **{f"{n:,} workers": cell[algorithm, n, s.name]["vs_first"] for n in scales}}
+                 for s in strategies]
+        costs = ", ".join(f"{cell[algorithm, n, first]['allreduce_s']:.3g} s at {n:,}" for n in scales)
+        ideal = ", ".join(f"{cell[algorithm, n, first]['ideal_speedup']:.2f}" for n in scales)
+        lines += ["", format_table(table, title=f"{algorithm} allreduce ({costs}; ideal allocation speedup {ideal})")]
+    return "\n".join(lines)
+
+
+def check_flags(args: argparse.Namespace, workers: int, global_batch: int | None = None) -> None:
     """Reject a bad number under the name of its flag, in the flag's unit."""
-    global_batch = args.global_batch if args.global_batch is not None else workers
+    if global_batch is None:
+        global_batch = args.global_batch if args.global_batch is not None else workers
     bounds = [
         ("--steps", args.steps, args.steps >= 1, ">= 1"),
         ("--replan-every", args.replan_every, args.replan_every >= 1, ">= 1"),
@@ -128,9 +246,11 @@ def check_flags(args: argparse.Namespace, workers: int) -> None:
         ("--samples-per-s", args.samples_per_s, 0 < args.samples_per_s < np.inf, "> 0"),
         ("--straggler-probability", args.straggler_probability, 0 <= args.straggler_probability <= 1, "in [0, 1]"),
         ("--bandwidth-gbps", args.bandwidth_gbps, 0 < args.bandwidth_gbps <= np.inf, "> 0"),
+        ("--local-bandwidth-gbps", args.local_bandwidth_gbps, 0 < args.local_bandwidth_gbps <= np.inf, "> 0"),
+        ("--local-size", args.local_size, args.local_size >= 1, ">= 1"),
     ]
     bounds += [(f"--{name.replace('_', '-')}", getattr(args, name), 0 <= getattr(args, name) < np.inf, ">= 0")
-               for name in ("jitter", "straggler_delay_ms", "latency_us", "model_mb")]
+               for name in ("jitter", "straggler_delay_ms", "latency_us", "model_mb", "local_latency_us")]
     for flag, value, good, allowed in bounds:
         if not good:
             raise ConfigError(f"{flag} must be {allowed}, got {value!r}")
@@ -148,7 +268,7 @@ def render(cluster: SimulatedCluster, global_batch: int, results: list[Simulatio
     quorum = args.quorum or (cluster.size + 1) // 2
     rows = [
         {
-            "strategy": r.strategy if r.strategy != "quorum" else f"quorum k={quorum}",
+            "strategy": f"{r.strategy}:{quorum}" if r.strategy.endswith("quorum") else r.strategy,
             "steps": r.steps,
             "samples/step": round(r.samples_per_step),
             "simulated s": r.seconds,
@@ -162,19 +282,21 @@ def render(cluster: SimulatedCluster, global_batch: int, results: list[Simulatio
         for r in results
     ]
     title = (f"{cluster.size} workers, {sum(cluster.speeds):,.0f} samples/s in all ({args.samples_per_s:g} x "
-             f"relative speed), global batch {global_batch}")
+             f"relative speed), global batch {global_batch}, {cluster.algorithm} allreduce")
     cost = cluster.allreduce_cost()
     straggled = 1.0 - (1.0 - cluster.straggler_probability) ** cluster.size
+    hop = f"{cluster.latency_s * 1e6:g} us"
+    if cluster.algorithm == "hierarchical":
+        hop = f"{cluster.local_latency_s * 1e6:g} us in a node of L = {cluster.local_size}, {hop} between nodes"
     return "\n".join([
         format_table(rows, title=title),
-        COLUMNS,
         (f"ideal allocation speedup {ideal_speedup(cluster):.2f} = sum of speeds / (N x slowest), compute alone. "
          "What allocation cannot win back, per step:"),
         f"  compute {global_batch / sum(cluster.speeds):.3g} s at a perfect allocation;",
         (f"  stragglers {cluster.straggler_delay_s:g} s in {100 * straggled:.0f}% of steps "
          f"(1 - (1 - {cluster.straggler_probability:g})^{cluster.size}: a synchronous step waits for its slowest);"
          if straggled > 0 else "  stragglers: none;"),
-        (f"  allreduce {cost.total_s:.3g} s = latency {cost.latency_s:.3g} s (2(N-1) = {cost.hops} hops x "
-         f"{cluster.latency_s * 1e6:g} us) + transfer {cost.transfer_s:.3g} s (2(N-1)/N x {cluster.model_mb:g} MB at "
-         f"{cluster.bandwidth_gbps:g} Gb/s)."),
+        (f"  allreduce {cost.total_s:.3g} s = latency {cost.latency_s:.3g} s ({HOPS[cluster.algorithm]} = "
+         f"{cost.hops} hops x {hop}) + transfer {cost.transfer_s:.3g} s ({cluster.model_mb:g} MB at "
+         f"{cluster.bandwidth_gbps:g} Gb/s, {cluster.algorithm})."),
     ])

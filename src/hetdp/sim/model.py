@@ -1,34 +1,33 @@
-"""Simulate synchronous (equal / static / adaptive) and partial (solo / majority / quorum) data parallelism.
+"""A simulated cluster of unequal workers, and every allocation x synchronization pairing run on it.
 
 Each worker's compute time for a share is ``share / speed``, times log-normal
-jitter, plus a straggler delay drawn per step; the allreduce costs what
-``network.py`` says (a ring: ``2 (N - 1)`` latencies plus ``2 (N - 1) / N``
-model transfers). The adaptive policy runs the library's own
-:class:`~hetdp.allocate.adaptive.AdaptiveAllocator`, so the simulation checks
-the rule itself at N = 1,000 and beyond. Every result also says how the
-workers' time divided between computing, waiting and the allreduce.
+jitter, plus a straggler delay drawn per step; a collective costs what
+``network.py`` says for the chosen algorithm (ring, tree, doubling or
+hierarchical). ``engine.py`` runs the steps; every result also says how the
+workers' time divided between computing, waiting and collectives.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-from hetdp.allocate.adaptive import AdaptiveAllocator
-from hetdp.allocate.apportion import apportion
 from hetdp.errors import ConfigError
-from hetdp.sim.network import AllreduceCost, ring_allreduce
+from hetdp.sim.engine import LoopCosts, SimulationResult, Strategy, simulate_strategy
+from hetdp.sim.network import ALGORITHMS, AllreduceCost, allreduce_cost
 
-Strategy = Literal["equal", "static", "adaptive", "solo", "majority", "quorum"]
-STRATEGIES: tuple[str, ...] = ("equal", "static", "adaptive", "solo", "majority", "quorum")
+STRATEGIES: tuple[str, ...] = ("equal", "static", "adaptive", "equal+solo", "equal+majority", "adaptive+majority",
+                               "adaptive+quorum", "adaptive+local:10")
+"""The strategies ``hetdp simulate`` compares by default: allocation alone, synchronization alone, both."""
+PARTIAL_ROUND_HOPS = 1
+"""Latencies a partial round pays on top of its allreduce: the activation that fires it, through the store."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class SimulatedCluster:
-    """Unequal workers joined by a ring allreduce."""
+    """Unequal workers joined by a network whose allreduce runs one of ``ALGORITHMS``."""
 
     speeds: tuple[float, ...]
     """Samples per second of each worker."""
@@ -44,6 +43,14 @@ class SimulatedCluster:
     """Link bandwidth of the allreduce, gigabits per second."""
     model_mb: float = 40.0
     """Size of the gradient, megabytes."""
+    algorithm: str = "ring"
+    """Allreduce algorithm: ring, tree (double binary tree), doubling or hierarchical (see ``network.py``)."""
+    local_size: int = 8
+    """hierarchical: workers per node, joined by the fast links below."""
+    local_latency_s: float = 5e-6
+    """hierarchical: per-hop latency inside a node."""
+    local_bandwidth_gbps: float = 200.0
+    """hierarchical: link bandwidth inside a node, gigabits per second."""
 
     def __post_init__(self) -> None:
         if not self.speeds or min(self.speeds) <= 0 or not all(map(math.isfinite, self.speeds)):
@@ -53,16 +60,23 @@ class SimulatedCluster:
         for name in ("jitter", "straggler_delay_s", "latency_s", "model_mb"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.bandwidth_gbps > 0:
-            raise ConfigError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps!r}")
+        if not (self.bandwidth_gbps > 0 and self.local_bandwidth_gbps > 0):
+            raise ConfigError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps!r}, {self.local_bandwidth_gbps!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.local_size < 1 or not self.local_latency_s >= 0:
+            raise ConfigError(f"local_size must be >= 1 and local_latency_s >= 0, got {self.local_size!r}, "
+                              f"{self.local_latency_s!r}")
 
     @property
     def size(self) -> int:
         return len(self.speeds)
 
     def allreduce_cost(self) -> AllreduceCost:
-        """One allreduce of the gradient over the ring, split into latency and transfer."""
-        return ring_allreduce(self.size, self.model_mb, self.latency_s, self.bandwidth_gbps)
+        """One allreduce of the gradient by ``algorithm``, split into latency and transfer."""
+        return allreduce_cost(self.algorithm, self.size, self.model_mb, self.latency_s, self.bandwidth_gbps,
+                              local_size=self.local_size, local_latency_s=self.local_latency_s,
+                              local_bandwidth_gbps=self.local_bandwidth_gbps)
 
     def allreduce_s(self) -> float:
         """Seconds of one allreduce of the gradient (see :meth:`allreduce_cost`)."""
@@ -74,110 +88,43 @@ class SimulatedCluster:
         delayed = rng.random(self.size) < self.straggler_probability
         return shares / np.asarray(self.speeds) * noise + delayed * self.straggler_delay_s
 
+    def loop_costs(self, seed: int = 0) -> LoopCosts:
+        """The engine's view of this cluster: compute drawn from ``seed``, collectives priced by ``algorithm``.
 
-@dataclass(frozen=True)
-class SimulationResult:
-    """What one strategy did in a simulated run. The three fractions divide the workers' time: they sum to 1."""
-
-    strategy: str
-    steps: int
-    """Steps (synchronous) or rounds (partial) simulated."""
-    seconds: float
-    """Simulated wall-clock seconds for all steps."""
-    samples_per_s: float
-    """Gradient samples applied per second: ``steps * samples_per_step / seconds``."""
-    fresh_fraction: float
-    """Share of the applied gradients computed from the latest model (1 for synchronous strategies)."""
-    final_shares: list[int]
-    samples_per_step: float
-    """Gradient samples applied per step: the global batch, or in a partial round only the workers that arrived."""
-    compute_fraction: float
-    """Share of the workers' time spent computing gradients."""
-    wait_fraction: float
-    """Share spent idle: waiting for the slowest worker (synchronous) or for a round to fire (partial)."""
-    allreduce_fraction: float
-    """Share spent in the allreduce."""
+        A partial round is an allreduce plus the activation that fires it; a meeting's parameter averaging is an
+        allreduce of the model, as large as the gradient; the re-plan's gather of a few numbers is left out.
+        """
+        rng = np.random.default_rng(seed)
+        allreduce_s = self.allreduce_s()
+        return LoopCosts(compute_s=lambda step, shares: self.compute_s(shares, rng), allreduce_s=allreduce_s,
+                         round_s=allreduce_s + PARTIAL_ROUND_HOPS * self.latency_s, average_s=allreduce_s,
+                         static_weights=self.speeds, seed=seed)
 
 
 def simulate(
     cluster: SimulatedCluster,
-    strategy: Strategy,
+    strategy: str | Strategy,
     *,
     global_batch: int,
     steps: int,
-    replan_every: int = 10,
+    replan_every: int = 2,
     quorum: int | None = None,
     seed: int = 0,
 ) -> SimulationResult:
-    """Run ``steps`` steps of ``strategy`` on ``cluster`` and measure its throughput."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if steps < 1 or global_batch < cluster.size:
-        raise ConfigError(f"need steps >= 1 and global_batch >= {cluster.size} workers, got {steps}, {global_batch}")
-    rng = np.random.default_rng(seed)
-    if strategy in ("solo", "majority", "quorum"):
-        return _simulate_partial(cluster, strategy, global_batch, steps, quorum, rng)
-    return _simulate_synchronous(cluster, strategy, global_batch, steps, replan_every, rng)
+    """Run ``steps`` steps of ``strategy`` (``"adaptive+majority"``, see ``Strategy.parse``) on ``cluster``.
 
+    Args:
+        replan_every: adaptive allocation: steps between re-plans until the shares settle.
+        quorum: k of a quorum strategy that names none (default: half the workers, rounded up).
 
-def _simulate_synchronous(
-    cluster: SimulatedCluster, strategy: str, global_batch: int, steps: int, replan_every: int, rng: np.random.Generator
-) -> SimulationResult:
-    weights = list(cluster.speeds) if strategy == "static" else None
-    allocator = AdaptiveAllocator(cluster.size, global_batch, initial=weights)
-    allreduce_s = cluster.allreduce_s()
-    clock_s, window, busy_s, idle_s = 0.0, np.zeros(cluster.size), 0.0, 0.0
-    for step in range(1, steps + 1):
-        compute = cluster.compute_s(np.asarray(allocator.shares, dtype=float), rng)
-        clock_s += compute.max() + allreduce_s
-        busy_s += compute.sum()
-        idle_s += (compute.max() - compute).sum()  # everyone waits for the slowest before the allreduce
-        window += compute
-        if strategy == "adaptive" and step % replan_every == 0:
-            allocator.update(window.tolist(), replan_every)
-            window[:] = 0.0
-    worker_s = cluster.size * clock_s
-    return SimulationResult(strategy, steps, clock_s, steps * global_batch / clock_s, 1.0, allocator.shares,
-                            samples_per_step=float(global_batch), compute_fraction=busy_s / worker_s,
-                            wait_fraction=idle_s / worker_s, allreduce_fraction=steps * allreduce_s / clock_s)
-
-
-def _simulate_partial(
-    cluster: SimulatedCluster, mode: str, global_batch: int, steps: int, quorum: int | None, rng: np.random.Generator
-) -> SimulationResult:
-    """Eager-SGD: a round fires on the first arrival (solo), a random initiator's (majority) or the k-th (quorum).
-
-    Workers ready when it fires contribute and start their next gradient from its
-    result; the others keep computing and join a later round, stale if a round
-    passed since their model. (Simplification: a late worker restarts after the
-    round it joins, as an on-time one does, so partial modes are not flattered.)
+    Raises:
+        ConfigError: an unknown strategy, or settings that do not fit the cluster.
     """
-    shares = np.asarray(apportion([1.0] * cluster.size, global_batch), dtype=float)
-    k = {"solo": 1, "quorum": quorum or (cluster.size + 1) // 2}.get(mode)
-    if k is not None and not 1 <= k <= cluster.size:
-        raise ConfigError(f"quorum must be in [1, {cluster.size}], got {k}")
-    allreduce_s = cluster.allreduce_s()
-    started_at = np.zeros(cluster.size)  # each worker's timeline: compute, wait for a round to fire, allreduce, ...
-    ready_at = cluster.compute_s(shares, rng)
-    model_round = np.zeros(cluster.size, dtype=int)  # the round whose result each pending gradient started from
-    round_end_s, fresh, contributions, busy_s, idle_s = 0.0, 0, 0, 0.0, 0.0
-    for number in range(steps):
-        fire_s = np.partition(ready_at, k - 1)[k - 1] if k else ready_at[rng.integers(cluster.size)]
-        fire_s = max(fire_s, round_end_s)
-        round_end_s = fire_s + allreduce_s
-        arrived = ready_at <= fire_s
-        contributions += int(arrived.sum())
-        fresh += int((arrived & (model_round == number)).sum())
-        busy_s += (ready_at - started_at)[arrived].sum()
-        idle_s += (fire_s - ready_at)[arrived].sum()
-        started_at = np.where(arrived, round_end_s, started_at)
-        ready_at = np.where(arrived, round_end_s + cluster.compute_s(shares, rng), ready_at)
-        model_round = np.where(arrived, number + 1, model_round)
-    busy_s += (np.minimum(ready_at, round_end_s) - started_at).clip(min=0.0).sum()  # gradients still in progress
-    idle_s += (round_end_s - ready_at).clip(min=0.0).sum()  # ready after the last round fired
-    samples = contributions * shares.mean()
-    worker_s = cluster.size * round_end_s
-    return SimulationResult(mode, steps, round_end_s, samples / round_end_s, fresh / max(contributions, 1),
-                            shares.astype(int).tolist(), samples_per_step=samples / steps,
-                            compute_fraction=busy_s / worker_s, wait_fraction=idle_s / worker_s,
-                            allreduce_fraction=contributions * allreduce_s / worker_s)
+    if isinstance(strategy, str):
+        strategy = Strategy.parse(strategy)
+    if strategy.sync == "quorum" and not strategy.k and quorum is not None:
+        if not 1 <= quorum <= cluster.size:
+            raise ConfigError(f"quorum must be in [1, {cluster.size}], got {quorum}")
+        strategy = Strategy(strategy.allocation, "quorum", quorum)
+    return simulate_strategy(strategy, cluster.loop_costs(seed), world_size=cluster.size, global_batch=global_batch,
+                             steps=steps, replan_every=replan_every)

@@ -55,7 +55,7 @@ def test_bad_clusters_are_rejected(kwargs, message):
 
 
 def test_unknown_strategy_is_rejected():
-    with pytest.raises(ConfigError, match="strategy must be one of"):
+    with pytest.raises(ConfigError, match="strategy 'gossip': allocation must be one of"):
         simulate(SimulatedCluster(speeds=(1.0,)), "gossip", global_batch=10, steps=1)
 
 
