@@ -107,6 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     emulation = emulation_from_args(args, args.nproc)
     script = Path(args.script)
     if not script.is_file():
@@ -118,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
     if args.sync:
         sync_policy(args.sync)
         env[ENV_SYNC] = args.sync
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     return run_local(script, args.nproc, args.script_args, env=env, report_errors=True,
                      max_restarts=args.max_restarts, on_restart=_announce_restart).returncode
 
