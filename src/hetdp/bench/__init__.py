@@ -16,5 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "devices": "adaptive allocation on emulated devices (fixed costs, knees, memory caps): paper's rule vs piecewise",
     "compose": "allocation x synchronization under unequal speeds and a random straggler: time to accuracy per pairing",
     "drift": "adaptive allocation when a device slows down after the shares settled: steps to recover, re-plans",
+    "chaos": "a random worker killed at a random step under --max-restarts 2: recovery, lost steps, parameter gap, "
+             "resize 4 -> 3 ranks",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""
