@@ -26,6 +26,7 @@ from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
 from hetdp.train.ddp import DDP, DistributedDataParallel
 from hetdp.train.eager import EagerSGD
 from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
+from hetdp.train.stepcheckpoint import Checkpointer
 
 __all__ = [
     "Adaptive",
@@ -36,6 +37,7 @@ __all__ = [
     "CadpConfig",
     "CadpResult",
     "CheckpointError",
+    "Checkpointer",
     "ClusterSpec",
     "ConfigError",
     "CostBalance",

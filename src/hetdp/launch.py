@@ -22,10 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hetdp.errors import HetDPError
+from hetdp.errors import ConfigError, HetDPError
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
+ENV_RESTART = "HETDP_RESTART"
+"""Which attempt of a launch with restarts the workers belong to: 0 first, then 1, 2, ..."""
 ENV_ERRORS = "HETDP_ERRORS"
 """Folder where a worker leaves the message of the HetDPError it stopped on (set only with ``report_errors``)."""
 POLL_S = 0.2
@@ -61,8 +63,16 @@ def run_local(
     capture: bool = False,
     follow: Callable[[list[Event]], None] | None = None,
     report_errors: bool = False,
+    max_restarts: int = 0,
+    on_restart: Callable[[int, int], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``target`` on ``nproc`` local ranks and wait; kill the whole process group past ``timeout_s``.
+
+    With ``max_restarts``, a failed launch (a worker killed, crashed, or timed out on a silent peer) is
+    started again from scratch, up to that many times: torchrun itself tears the group down, and each
+    attempt is a fresh torchrun on a new rendezvous (a free port), since torchrun's own restarts cannot
+    re-form a gloo group on torch 2.13. Workers read the attempt from ``$HETDP_RESTART`` and resume from
+    their checkpoint. A ConfigError is the user's to fix, and is not retried.
 
     Args:
         target: a script path, or a module name with ``module=True``.
@@ -80,9 +90,35 @@ def run_local(
         HetDPError: the workers were still running after ``timeout_s`` seconds, or (with
             ``report_errors``) one of them raised a HetDPError; its message and rank.
     """
+    for attempt in range(max_restarts + 1):
+        restart_env = {**(env or {}), ENV_RESTART: str(attempt)}
+        completed, retry = _launch_once(target, nproc, args, module=module, env=restart_env, timeout_s=timeout_s,
+                                        capture=capture, follow=follow, report_errors=report_errors,
+                                        last=attempt == max_restarts)
+        if completed.returncode == 0 or not retry or attempt == max_restarts:
+            return completed
+        if on_restart is not None:
+            on_restart(attempt + 1, completed.returncode)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    target: str | Path,
+    nproc: int,
+    args: Sequence[str],
+    *,
+    module: bool,
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    capture: bool,
+    follow: Callable[[list[Event]], None] | None,
+    report_errors: bool,
+    last: bool,
+) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """One torchrun of ``target``; also whether a failure may be retried (not a ConfigError, nor a timeout)."""
     with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
         full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
-        full_env.update(env or {})  # a launch from inside a worker reports to its own launcher, not to ours
+        full_env.update(env)  # a launch from inside a worker reports to its own launcher, not to ours
         full_env.setdefault("OMP_NUM_THREADS", "1")
         events = EventReader(Path(folder) / "events.jsonl")
         errors = Path(folder) / "errors"
@@ -95,10 +131,13 @@ def run_local(
         poll = (lambda: follow(events.read())) if follow is not None else (lambda: None)
         completed = _wait(command, full_env, timeout_s, capture, poll, f"{target} on {nproc} ranks")
         if completed.returncode != 0 and report_errors:
-            message = worker_error(errors)
-            if message is not None:
-                raise HetDPError(message)
-        return completed
+            report = worker_error(errors)
+            if report is not None:
+                message, retry = report
+                if not retry or last:
+                    raise HetDPError(message)
+                return completed, True
+        return completed, True
 
 
 def _wait(
@@ -191,21 +230,23 @@ def report_error(error: HetDPError) -> bool:
         return False
     rank = int(os.environ.get("RANK", "0"))
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    report = {"rank": rank, "message": text, "time": time.time()}
+    report = {"rank": rank, "message": text, "time": time.time(), "retry": not isinstance(error, ConfigError)}
     temporary = Path(folder) / f".rank-{rank}.tmp"
     temporary.write_text(json.dumps(report), encoding="utf-8")
     temporary.replace(Path(folder) / f"rank-{rank}.json")  # whole or absent, never half-written
     return True
 
 
-def worker_error(folder: Path) -> str | None:
-    """The first worker error reported in ``folder``, with the ranks that reported it; None if there is none."""
+def worker_error(folder: Path) -> tuple[str, bool] | None:
+    """The first worker error reported in ``folder``, with the ranks that reported it, and whether a restart may
+    get past it (not a ConfigError); None if there is none."""
     reports = sorted((json.loads(path.read_text()) for path in folder.glob("rank-*.json")), key=lambda r: r["time"])
     if not reports:
         return None
     message = reports[0]["message"]
     ranks = sorted(report["rank"] for report in reports if report["message"] == message)
-    return f"{message} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    retry = all(report.get("retry", False) for report in reports)
+    return f"{message} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})", retry
 
 
 def _worker(argv: list[str]) -> None:

@@ -49,6 +49,7 @@ def test_bad_emulation_flags_exit_2_with_one_line(capsys, script, flags, message
 @pytest.mark.parametrize(("argv", "message"), [
     (["run", "-n", "2", "missing.py"], "script not found: missing.py"),
     (["run", "-n", "0", "x.py"], "expected a positive integer, got '0'"),
+    (["run", "-n", "2", "--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0, got -1"),
     (["demo", "--speeds", "2,0"], "got '0' (rank 1)"),
     (["demo", "--epochs", "1"], "--epochs must be >= 2"),
     (["demo", "--dataset", "mnist"], "needs --data-root"),

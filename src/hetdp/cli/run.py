@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from hetdp.allocate.policy import ENV_ALLOCATION, allocation_policy
@@ -97,12 +98,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="allocation of a hetdp.DDP whose code chooses none: equal, adaptive or static:W1,W2,...")
     parser.add_argument("--sync", metavar="SYNC", help="synchronization of a hetdp.DDP whose code chooses none: "
                         "allreduce, solo, majority, quorum:K, full, local or local:K")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="when a worker dies or hangs, start the whole group again (new rendezvous), up to R "
+                        "times; the script resumes from its checkpoint ($HETDP_RESTART: the attempt)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     emulation = emulation_from_args(args, args.nproc)
     script = Path(args.script)
     if not script.is_file():
@@ -114,4 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if args.sync:
         sync_policy(args.sync)
         env[ENV_SYNC] = args.sync
-    return run_local(script, args.nproc, args.script_args, env=env, report_errors=True).returncode
+    return run_local(script, args.nproc, args.script_args, env=env, report_errors=True,
+                     max_restarts=args.max_restarts, on_restart=_announce_restart).returncode
+
+
+def _announce_restart(attempt: int, returncode: int) -> None:
+    print(f"hetdp run: the workers failed (exit {returncode}); restart {attempt}, on a new rendezvous",
+          file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -38,6 +39,7 @@ from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
 from hetdp.train.clock import StepClock
 from hetdp.train.loader import AllocatedLoader, StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
+from hetdp.train.stepcheckpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +210,10 @@ class DistributedDataParallel(TorchDDP):
         self._schedule: list[tuple[int, list[int]]] = []
         """(first step, shares from it on), by step: decisions apply only to steps not yet cut by any rank."""
         self.steps_done = 0
+        self.resume_position: tuple[int, int] = (0, 0)
+        """(epoch, step within it) a loaded checkpoint resumes at; the allocated loader starts there."""
+        self._checkpointer: Checkpointer | None = None
+        self._next_epoch = 0
         """Steps finished, over all epochs: the global index of the next step."""
         self.step_figures: collections.deque[StepFigures] = collections.deque(maxlen=HISTORY_STEPS)
         """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
@@ -377,6 +383,8 @@ class DistributedDataParallel(TorchDDP):
                 self._gather_and_plan()
         elif self.synchronizer.due(self._since_meeting) or self._planning_meeting_due():
             self._gather_and_plan(meet=True)
+        if self._checkpointer is not None:
+            self._checkpointer.step_ended()
 
     def end_epoch(self) -> EpochReport:
         """Close the epoch: merge where the synchronization meets per epoch, gather its figures, re-plan if due.
@@ -403,6 +411,7 @@ class DistributedDataParallel(TorchDDP):
             stable=self.allocator.stable if self.allocator is not None else True,
         )
         self.epoch_reports.append(report)
+        self._next_epoch = report.epoch + 1
         if self._writer is not None:
             self._writer.write_epoch(report)
         self._epoch = {}
@@ -493,18 +502,48 @@ class DistributedDataParallel(TorchDDP):
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
+    def checkpointer(self, folder: str | Path, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                     scaler: Any = None, every: int = 100) -> Checkpointer:
+        """Save the training state to ``folder`` every ``every`` steps; ``resume()`` it before the loop.
+
+        Call after ``allocate``: the checkpoint holds the position in the epoch's order, and a resumed
+        run continues the epoch at the saved step, also on another number of ranks.
+        """
+        self._checkpointer = Checkpointer(self, folder, optimizer, scheduler=scheduler, scaler=scaler, every=every)
+        return self._checkpointer
+
     def hetdp_state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs beside the module and optimizer: the allocation and the step count."""
+        """What a resumed run needs beside the module and optimizer: the allocation and the position in the data.
+
+        ``position`` is (epoch, steps of it done): where the data order continues.
+        """
+        position = (self._epoch["epoch"], self.steps_done - self._epoch["first"]) if self._epoch else (
+            self._next_epoch, 0)
         return {"allocator": None if self.allocator is None else self.allocator.state_dict(),
-                "steps_done": self.steps_done, "world_size": self.world_size}
+                "steps_done": self.steps_done, "world_size": self.world_size, "position": position}
 
     def load_hetdp_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch."""
+        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch.
+
+        Saved by another number of ranks, the allocation starts afresh for this one (adaptive allocation
+        re-learns the shares) and the epoch continues at the saved step: the steps keep their samples,
+        only the split among ranks changes.
+        """
         self.steps_done = int(state["steps_done"])
+        saved_world = int(state.get("world_size", self.world_size))
         if self.allocator is not None and state.get("allocator") is not None:
-            self.allocator.load_state_dict(state["allocator"])
+            if saved_world == self.world_size:
+                self.allocator.load_state_dict(state["allocator"])
+            else:
+                log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
+                            self.rank, saved_world, self.world_size)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
         self._pending = []
+        self._since_meeting = 0
+        self.resume_position = tuple(state["position"]) if state.get("position") is not None else (0, 0)
+        loader = self._loader() if self._loader is not None else None
+        if loader is not None and state.get("position") is not None:
+            loader.sampler.resume_at(*self.resume_position)
 
     # --- life cycle -------------------------------------------------------------------------------------------
 

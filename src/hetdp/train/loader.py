@@ -102,13 +102,23 @@ class StepSampler:
         self.epoch = 0
         self.start = 0
         """The first step of the epoch to produce (a resumed epoch skips those done)."""
+        self._resume: tuple[int, int] | None = None
         self.next_step = 0
         """The global index of the next step to produce."""
         self.tickets: collections.deque[StepTicket] = collections.deque()
 
+    def resume_at(self, epoch: int, start: int) -> None:
+        """Make the next ``set_epoch(epoch)`` start at step ``start`` of it (a run resumed from a checkpoint)."""
+        self.set_epoch(epoch, start)
+        self._resume = (epoch, start)
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch's permutation (call before each epoch, as with ``DistributedSampler``); ``start`` skips
         the epoch's first steps (a resumed run)."""
+        if self._resume is not None:
+            if self._resume[0] == epoch and start == 0:
+                start = self._resume[1]
+            self._resume = None
         if not 0 <= start <= self.steps_per_epoch:
             raise ConfigError(f"start must be a step in [0, {self.steps_per_epoch}], got {start}")
         self.epoch = epoch

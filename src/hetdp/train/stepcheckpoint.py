@@ -1,0 +1,120 @@
+"""Step checkpoints for the drop-in: a killed run resumes at the exact step it saved, on the same or another world size.
+
+Rank 0 writes every ``every`` steps (atomically, keeping the last two) and rank 0
+reads, then broadcasts, so the ranks need no shared filesystem. A newest
+checkpoint that cannot be read is reported and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hetdp.errors import CheckpointError, ConfigError
+from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from hetdp.train.ddp import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+KEEP = 2
+"""Checkpoints kept on disk: the newest, and the one to fall back on if the newest is damaged."""
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+def checkpoint_paths(folder: str | Path) -> list[Path]:
+    """The step checkpoints in ``folder``, newest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in folder.iterdir() if (match := _NAME.match(path.name))]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def load_newest(folder: str | Path) -> dict[str, Any] | None:
+    """The newest readable checkpoint in ``folder`` (None if none); warns about each damaged one it skips."""
+    for path in checkpoint_paths(folder):
+        try:
+            return load_checkpoint(path)
+        except CheckpointError as error:
+            warnings.warn(f"skipping a damaged step checkpoint, using the previous one: {error}", stacklevel=2)
+    return None
+
+
+class Checkpointer:
+    """Saves the training state every ``every`` steps and resumes from the newest checkpoint.
+
+    Made by ``model.checkpointer(folder, optimizer, every=K)`` after ``model.allocate(loader)``; call ``resume()``
+    before the loop and start the epochs at ``ckpt.epoch``. The model's step hook saves; at most ``every`` steps of
+    work are lost to a failure.
+    """
+
+    def __init__(self, model: DistributedDataParallel, folder: str | Path, optimizer: torch.optim.Optimizer, *,
+                 scheduler: Any = None, scaler: Any = None, every: int = 100) -> None:
+        if every < 1:
+            raise ConfigError(f"a checkpoint every {every} steps: give every >= 1")
+        self.model = model
+        self.folder = Path(folder)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.every = every
+        self.epoch = 0
+        """The epoch the loop starts at (the saved one after a resume)."""
+
+    # --- saving ------------------------------------------------------------------------------------------------
+
+    def step_ended(self) -> None:
+        """The model's step hook: save when the step count reaches a multiple of ``every``."""
+        if self.model.steps_done % self.every == 0:
+            self.save()
+
+    def save(self) -> Path | None:
+        """Write the state now (rank 0 only; the others return None); keeps the last ``KEEP`` checkpoints."""
+        if self.model.rank != 0:
+            return None
+        state = {
+            "module": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "hetdp": self.model.hetdp_state_dict(),
+        }
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = save_checkpoint(self.folder / f"step-{self.model.steps_done:08d}.pt", state)
+        for old in checkpoint_paths(self.folder)[KEEP:]:
+            old.unlink(missing_ok=True)
+        return path
+
+    # --- resuming ----------------------------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint on every rank (collective: rank 0 reads, then broadcasts).
+
+        Returns whether a checkpoint was found. The allocated loader's next ``set_epoch(ckpt.epoch)`` starts at
+        the saved step, so the rest of the epoch's order continues exactly.
+        """
+        found = [load_newest(self.folder) if self.model.rank == 0 else None]
+        if self.model.world_size > 1:
+            dist.broadcast_object_list(found, src=0, group=self.model.process_group)
+        state = found[0]
+        if state is None:
+            return False
+        self.model.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.model.load_hetdp_state_dict(state["hetdp"])
+        self.epoch = self.model.resume_position[0]
+        log.info("rank %d: resumed at step %d (epoch %d, step %d of it)", self.model.rank, self.model.steps_done,
+                 *self.model.resume_position)
+        return True

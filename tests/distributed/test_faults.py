@@ -1,0 +1,94 @@
+"""Failures in the group: a killed worker is restarted from the last step checkpoint and ends where an
+uninterrupted run ends; a checkpoint resumes on fewer ranks with every sample of the epoch trained once."""
+
+from __future__ import annotations
+
+import collections
+import textwrap
+
+import pytest
+import torch
+
+from hetdp.errors import HetDPError
+from hetdp.launch import run_local
+
+from .conftest import WORKERS
+
+DATASET = 96
+EVERY = 3
+
+
+def launch(tmp_path, nproc: int, name: str, *args: object, max_restarts: int = 0, restarts: list | None = None):
+    out = tmp_path / f"{name}.pt"
+    argv = ["--ckpt", tmp_path / f"{name}-ckpt", "--record", tmp_path / f"{name}.log", "--out", out,
+            "--every", EVERY, *args]
+    on_restart = (lambda attempt, code: restarts.append(attempt)) if restarts is not None else None
+    completed = run_local(WORKERS / "resume_worker.py", nproc, [str(arg) for arg in argv], capture=True,
+                          timeout_s=120, max_restarts=max_restarts, on_restart=on_restart)
+    return completed, out
+
+
+def steps_of(log_path) -> tuple[dict[int, list[int]], int]:
+    """The samples each epoch trained (every step as its last launch ran it), and the most steps that ran
+    again after one failure (work redone)."""
+    launches: dict[int, dict[str, list[tuple[int, list[int]]]]] = collections.defaultdict(dict)
+    last_launch: dict[int, str] = {}
+    for line in log_path.read_text().splitlines():
+        launch_id, *numbers = line.split()
+        epoch, step, _, *indices = map(int, numbers)
+        launches[step].setdefault(launch_id, []).append((epoch, indices))
+        last_launch[step] = launch_id
+    covered: dict[int, list[int]] = collections.defaultdict(list)
+    for step, by_launch in launches.items():
+        for epoch, indices in by_launch[last_launch[step]]:
+            covered[epoch].extend(indices)
+    redone = collections.Counter(launch_id for by_launch in launches.values() if len(by_launch) > 1
+                                 for launch_id in list(by_launch)[:-1])
+    return covered, max(redone.values(), default=0)
+
+
+def test_a_killed_worker_is_restarted_and_ends_where_an_uninterrupted_run_ends(tmp_path):
+    reference, reference_out = launch(tmp_path, 3, "reference")
+    assert reference.returncode == 0, reference.stdout
+    restarts: list[int] = []
+    killed, killed_out = launch(tmp_path, 3, "killed", "--die-at", 8, max_restarts=1, restarts=restarts)
+    assert killed.returncode == 0, killed.stdout
+    assert restarts == [1]
+    expected, actual = torch.load(reference_out), torch.load(killed_out)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-6)
+    covered, steps_redone = steps_of(tmp_path / "killed.log")
+    assert all(sorted(indices) == list(range(DATASET)) for indices in covered.values())
+    assert 0 < steps_redone <= EVERY
+
+
+def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once(tmp_path):
+    first, _ = launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive")
+    assert first.returncode != 0
+    second, out = launch(tmp_path, 2, "resize", "--allocation", "adaptive")
+    assert second.returncode == 0, second.stdout
+    assert "resumed on 2" in second.stdout or out.exists()
+    covered, _ = steps_of(tmp_path / "resize.log")
+    assert sorted(covered) == [0, 1]
+    assert all(sorted(indices) == list(range(DATASET)) for indices in covered.values())
+
+
+def test_static_weights_for_another_count_of_ranks_is_one_clear_error(tmp_path):
+    with pytest.raises(HetDPError, match="3") as caught:
+        run_local(WORKERS / "resume_worker.py", 2,
+                  ["--ckpt", str(tmp_path / "c"), "--record", str(tmp_path / "l"), "--out", str(tmp_path / "o"),
+                   "--weights", "1,2,3"], capture=True, timeout_s=120, report_errors=True, max_restarts=2)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_config_error_is_not_retried(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent("""
+        import hetdp
+        raise hetdp.ConfigError("a setting the user must fix")
+    """))
+    restarts: list[int] = []
+    with pytest.raises(HetDPError, match="a setting the user must fix"):
+        run_local(script, 2, capture=True, timeout_s=120, report_errors=True, max_restarts=2,
+                  on_restart=lambda attempt, code: restarts.append(attempt))
+    assert restarts == []

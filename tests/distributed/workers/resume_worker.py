@@ -1,0 +1,78 @@
+"""Worker for tests/distributed/test_faults.py: the drop-in with step checkpoints, killed once and resumed.
+
+Every rank logs the dataset indices of each step it runs (``--log``); rank 0 saves the final parameters
+(``--out``). ``--die-at S`` kills rank ``--die-rank`` with SIGKILL after S steps on the first attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import hetdp
+
+
+class Indexed(Dataset):
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, 6, generator=generator)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", type=Path, required=True)
+    parser.add_argument("--record", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--die-at", type=int, default=-1)
+    parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--allocation", default="equal")
+    parser.add_argument("--weights", default="")
+    args = parser.parse_args()
+
+    hetdp.init_distributed("gloo")
+    torch.manual_seed(0)
+    allocation = hetdp.Static(tuple(float(w) for w in args.weights.split(","))) if args.weights else args.allocation
+    model = hetdp.DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), allocation)
+    loader = model.allocate(DataLoader(Indexed(96), batch_size=4), global_batch=12, shuffle=True, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+    ckpt = model.checkpointer(args.ckpt, optimizer, scheduler=scheduler, every=args.every)
+    ckpt.resume()
+    first_attempt = os.environ.get("HETDP_RESTART", "0") == "0"
+    launch = os.environ["TORCHELASTIC_RUN_ID"]
+    with args.record.open("a") as log:
+        for epoch in range(ckpt.epoch, args.epochs):
+            loader.sampler.set_epoch(epoch)
+            for x, y, index in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                scheduler.step()
+                log.write(f"{launch} {epoch} {model.steps_done} {model.rank} {' '.join(map(str, index.tolist()))}\n")
+                log.flush()
+                if first_attempt and model.rank == args.die_rank and model.steps_done + 1 == args.die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+    if model.rank == 0:
+        torch.save(model.module.state_dict(), args.out)
+    model.close()
+    dist.destroy_process_group()  # a gloo group left alive at exit can abort the process
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Step checkpoints on disk: newest first, a damaged newest one is reported and the previous one used."""
+
+import pytest
+import torch
+
+from hetdp.train.checkpoint import save_checkpoint
+from hetdp.train.stepcheckpoint import checkpoint_paths, load_newest
+
+
+def test_the_newest_checkpoint_is_loaded(tmp_path):
+    for step in (3, 12, 6):
+        save_checkpoint(tmp_path / f"step-{step:08d}.pt", {"step": step})
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert [path.name for path in checkpoint_paths(tmp_path)] == [f"step-{s:08d}.pt" for s in (12, 6, 3)]
+    assert load_newest(tmp_path) == {"step": 12}
+
+
+def test_a_truncated_newest_checkpoint_warns_and_the_previous_one_is_used(tmp_path):
+    save_checkpoint(tmp_path / "step-00000003.pt", {"step": 3, "weights": torch.ones(100)})
+    newest = save_checkpoint(tmp_path / "step-00000006.pt", {"step": 6, "weights": torch.ones(100)})
+    newest.write_bytes(newest.read_bytes()[:50])
+    with pytest.warns(UserWarning, match="step-00000006.pt"):
+        assert load_newest(tmp_path)["step"] == 3
+
+
+def test_no_checkpoint_is_none(tmp_path):
+    assert load_newest(tmp_path / "missing") is None
