@@ -90,16 +90,17 @@ def run_local(
         HetDPError: the workers were still running after ``timeout_s`` seconds, or (with
             ``report_errors``) one of them raised a HetDPError; its message and rank.
     """
-    for attempt in range(max_restarts + 1):
+    attempt = 0
+    while True:
         restart_env = {**(env or {}), ENV_RESTART: str(attempt)}
-        completed, retry = _launch_once(target, nproc, args, module=module, env=restart_env, timeout_s=timeout_s,
-                                        capture=capture, follow=follow, report_errors=report_errors,
-                                        last=attempt == max_restarts)
-        if completed.returncode == 0 or not retry or attempt == max_restarts:
+        completed = _launch_once(target, nproc, args, module=module, env=restart_env, timeout_s=timeout_s,
+                                 capture=capture, follow=follow, report_errors=report_errors,
+                                 last=attempt == max_restarts)
+        if completed.returncode == 0 or attempt == max_restarts:
             return completed
+        attempt += 1
         if on_restart is not None:
-            on_restart(attempt + 1, completed.returncode)
-    raise AssertionError("unreachable")
+            on_restart(attempt, completed.returncode)
 
 
 def _launch_once(
@@ -114,8 +115,9 @@ def _launch_once(
     follow: Callable[[list[Event]], None] | None,
     report_errors: bool,
     last: bool,
-) -> tuple[subprocess.CompletedProcess[str], bool]:
-    """One torchrun of ``target``; also whether a failure may be retried (not a ConfigError, nor a timeout)."""
+) -> subprocess.CompletedProcess[str]:
+    """One torchrun of ``target``. A worker's HetDPError is raised where no restart can get past it (a ConfigError)
+    or none is left (``last``); a timeout raises in ``_wait``."""
     with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
         full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
         full_env.update(env)  # a launch from inside a worker reports to its own launcher, not to ours
@@ -132,12 +134,9 @@ def _launch_once(
         completed = _wait(command, full_env, timeout_s, capture, poll, f"{target} on {nproc} ranks")
         if completed.returncode != 0 and report_errors:
             report = worker_error(errors)
-            if report is not None:
-                message, retry = report
-                if not retry or last:
-                    raise HetDPError(message)
-                return completed, True
-        return completed, True
+            if report is not None and (last or not report[1]):
+                raise HetDPError(report[0])
+        return completed
 
 
 def _wait(

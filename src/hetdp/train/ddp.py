@@ -210,11 +210,12 @@ class DistributedDataParallel(TorchDDP):
         self._schedule: list[tuple[int, list[int]]] = []
         """(first step, shares from it on), by step: decisions apply only to steps not yet cut by any rank."""
         self.steps_done = 0
+        """Steps finished, over all epochs: the global index of the next step."""
         self.resume_position: tuple[int, int] = (0, 0)
         """(epoch, step within it) a loaded checkpoint resumes at; the allocated loader starts there."""
         self._checkpointer: Checkpointer | None = None
         self._next_epoch = 0
-        """Steps finished, over all epochs: the global index of the next step."""
+        """The epoch after the last one ended: where a checkpoint taken between epochs resumes."""
         self.step_figures: collections.deque[StepFigures] = collections.deque(maxlen=HISTORY_STEPS)
         """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
         meetings and epoch ends)."""
