@@ -10,6 +10,7 @@ under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -22,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from hetdp.errors import ConfigError, HetDPError
 
 ENV_EVENTS = "HETDP_EVENTS"
@@ -32,6 +35,10 @@ ENV_ERRORS = "HETDP_ERRORS"
 """Folder where a worker leaves the message of the HetDPError it stopped on (set only with ``report_errors``)."""
 POLL_S = 0.2
 """Seconds between two looks at the workers and their event log."""
+SHUTDOWN_S = 5.0
+"""Seconds a launch may go on after a worker reported its error, before the launcher SIGKILLs the whole group: a
+stopped (SIGSTOP) or wedged worker never acts on torchrun's SIGTERM, and torchrun waits 30 s before its own SIGKILL
+(on torch 2.13 its ``--shutdown-timeout`` does not reach a failed group's teardown)."""
 
 Event = dict[str, Any]
 
@@ -46,9 +53,13 @@ def torchrun_command(
     """
     runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
     command = [sys.executable, *runner, "--standalone", f"--nproc-per-node={nproc}"]
+    # "--" ends torchrun's options: its parser would otherwise take a script flag that abbreviates one of its own
+    # (a script's --signal read as --signals-to-handle).
     if report_errors:
-        command += ["-m", "hetdp.launch", "worker"]
-    command += ["-m", str(target)] if module else [str(target)]
+        command += ["-m", "--", "hetdp.launch", "worker"]
+        command += ["-m", str(target)] if module else [str(target)]
+    else:
+        command += ["-m", "--", str(target)] if module else ["--", str(target)]
     return command + [str(arg) for arg in args]
 
 
@@ -131,7 +142,8 @@ def _launch_once(
             full_env[ENV_ERRORS] = str(errors)
         command = torchrun_command(target, nproc, args, module=module, report_errors=report_errors)
         poll = (lambda: follow(events.read())) if follow is not None else (lambda: None)
-        completed = _wait(command, full_env, timeout_s, capture, poll, f"{target} on {nproc} ranks")
+        failed = (lambda: any(errors.glob("rank-*.json"))) if report_errors else (lambda: False)
+        completed = _wait(command, full_env, timeout_s, capture, poll, failed, f"{target} on {nproc} ranks")
         if completed.returncode != 0 and report_errors:
             report = worker_error(errors)
             if report is not None and (last or not report[1]):
@@ -145,9 +157,14 @@ def _wait(
     timeout_s: float | None,
     capture: bool,
     poll: Callable[[], None],
+    failed: Callable[[], bool],
     what: str,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in a session of its own, calling ``poll`` every POLL_S seconds and once at the end."""
+    """Run ``command`` in a session of its own, calling ``poll`` every POLL_S seconds and once at the end.
+
+    Once ``failed()`` (a worker reported its error), the rest of the group has SHUTDOWN_S seconds to end, then
+    the whole session is SIGKILLed, stopped processes included.
+    """
     process = subprocess.Popen(
         command,
         env=env,
@@ -157,6 +174,7 @@ def _wait(
         start_new_session=True,
     )
     deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    failed_at: float | None = None
     try:
         while True:
             try:
@@ -164,17 +182,37 @@ def _wait(
                 break
             except subprocess.TimeoutExpired:
                 poll()
+                if failed_at is None and failed():
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() > failed_at + SHUTDOWN_S:
+                    _kill_launch(process)
+                    output, _ = process.communicate()
+                    break
                 if deadline_s is not None and time.monotonic() > deadline_s:
-                    os.killpg(process.pid, signal.SIGKILL)
+                    _kill_launch(process)
                     output, _ = process.communicate()
                     raise HetDPError(f"{what} still running after {timeout_s} s; killed\n{output or ''}") from None
         poll()
     except BaseException:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_launch(process)
             process.wait()
         raise
     return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+
+def _kill_launch(process: subprocess.Popen[str]) -> None:
+    """SIGKILL torchrun and every process under it: torchrun starts each worker in a session of its own, out of
+    reach of a signal to torchrun's process group, and a stopped worker acts on nothing else."""
+    try:
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for descendant in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendant.kill()
 
 
 # --- the workers' side ------------------------------------------------------------------------------------------

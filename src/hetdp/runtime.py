@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hetdp import liveness
 from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,15 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(sign in text for sign in PEER_FAILURE_SIGNS)
 
 
-def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseException) -> PeerTimeoutError:
-    """The PeerTimeoutError a collective's failure becomes, naming this rank and the deadline."""
+def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseException,
+                 group: dist.ProcessGroup | None = None) -> PeerTimeoutError:
+    """The PeerTimeoutError a collective's failure on ``rank`` becomes: it names the silent or stuck peer when
+    ``group`` has a heartbeat (see ``hetdp.liveness``), else this rank, and the deadline."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    verdict = liveness.diagnose(group)
+    if verdict is not None and verdict.culprits:
+        return PeerTimeoutError(f"{verdict.describe()}: {what} on rank {rank} failed within {timeout_s:g} s ({text})",
+                                rank=verdict.culprits[0], timeout_s=timeout_s)
     return PeerTimeoutError(
         f"rank {rank}: {what} failed within {timeout_s:g} s: a peer died or hung ({text})",
         rank=rank,
@@ -125,8 +132,8 @@ def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseExcep
     )
 
 
-def wait_for(work: dist.Work, what: str, timeout_s: float) -> None:
-    """Wait for an asynchronous collective or transfer; a silent peer becomes a PeerTimeoutError.
+def wait_for(work: dist.Work, what: str, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+    """Wait for an asynchronous collective or transfer over ``group``; a silent peer becomes a PeerTimeoutError.
 
     Raises:
         PeerTimeoutError: ``what`` did not finish within ``timeout_s`` seconds.
@@ -136,12 +143,14 @@ def wait_for(work: dist.Work, what: str, timeout_s: float) -> None:
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise
-        raise peer_failure(dist.get_rank() if dist.is_initialized() else None, what, timeout_s, error) from error
+        rank = dist.get_rank() if dist.is_initialized() else None
+        raise peer_failure(rank, what, timeout_s, error, group) from error
 
 
 def barrier(group: dist.ProcessGroup | None = None, timeout_s: float = Timeouts.round_s) -> None:
     """Wait until every rank of ``group`` gets here, at most ``timeout_s`` seconds (any backend)."""
-    wait_for(dist.all_reduce(torch.zeros(1, device=local_device()), group=group, async_op=True), "barrier", timeout_s)
+    wait_for(dist.all_reduce(torch.zeros(1, device=local_device()), group=group, async_op=True), "barrier", timeout_s,
+             group)
 
 
 def global_rank(rank: int, group: dist.ProcessGroup | None = None) -> int:

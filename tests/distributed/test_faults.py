@@ -24,8 +24,16 @@ def launch(tmp_path, nproc: int, name: str, *args: object, max_restarts: int = 0
             "--every", EVERY, *args]
     on_restart = (lambda attempt, code: restarts.append(attempt)) if restarts is not None else None
     completed = run_local(WORKERS / "resume_worker.py", nproc, [str(arg) for arg in argv], capture=True,
-                          timeout_s=120, max_restarts=max_restarts, on_restart=on_restart)
+                          timeout_s=120, max_restarts=max_restarts, on_restart=on_restart, report_errors=True)
     return completed, out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The final parameters of an uninterrupted run."""
+    completed, out = launch(tmp_path_factory.mktemp("reference"), 3, "reference")
+    assert completed.returncode == 0, completed.stdout
+    return torch.load(out)
 
 
 def steps_of(log_path) -> tuple[dict[int, list[int]], int]:
@@ -47,14 +55,16 @@ def steps_of(log_path) -> tuple[dict[int, list[int]], int]:
     return covered, max(redone.values(), default=0)
 
 
-def test_a_killed_worker_is_restarted_and_ends_where_an_uninterrupted_run_ends(tmp_path):
-    reference, reference_out = launch(tmp_path, 3, "reference")
-    assert reference.returncode == 0, reference.stdout
+@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
+def test_a_killed_or_hung_worker_is_restarted_and_ends_where_an_uninterrupted_run_ends(tmp_path, reference,
+                                                                                        signal_name):
     restarts: list[int] = []
-    killed, killed_out = launch(tmp_path, 3, "killed", "--die-at", 8, max_restarts=1, restarts=restarts)
+    # A stopped worker hangs the group: the survivors time out on it (3 s), and the launcher kills the group.
+    killed, killed_out = launch(tmp_path, 3, "killed", "--die-at", 8, "--signal", signal_name, "--step-timeout", 3,
+                                max_restarts=1, restarts=restarts)
     assert killed.returncode == 0, killed.stdout
     assert restarts == [1]
-    expected, actual = torch.load(reference_out), torch.load(killed_out)
+    expected, actual = reference, torch.load(killed_out)
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-6)
     covered, steps_redone = steps_of(tmp_path / "killed.log")

@@ -94,3 +94,13 @@ def test_a_bug_in_a_worker_keeps_its_traceback(script):
     completed = run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
     assert completed.returncode != 0
     assert "Traceback" in completed.stdout and "RuntimeError: a bug" in completed.stdout
+
+
+@pytest.mark.parametrize("report_errors", [False, True])
+def test_script_flags_that_abbreviate_torchruns_own_reach_the_script(tmp_path, report_errors):
+    script = tmp_path / "args.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('ARGS', sys.argv[1:])\n")
+    completed = run_local(script, 1, ["--signal", "KILL", "--nnodes", "3"], capture=True, timeout_s=60,
+                          report_errors=report_errors)
+    assert completed.returncode == 0, completed.stdout
+    assert "ARGS ['--signal', 'KILL', '--nnodes', '3']" in completed.stdout

@@ -74,7 +74,7 @@ def average_parameters(
     tensors = float_state(model)
     parts = [flatten(tensors) * weight] + ([carry.to(torch.float64).reshape(-1)] if carry is not None else [])
     flat = torch.cat(parts)
-    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s)
+    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s, group)
     unflatten_into(tensors, flat)
     return flat[flat.numel() - carry.numel() :] if carry is not None else None
 
@@ -91,7 +91,7 @@ def broadcast_parameters(
     tensors = float_state(model)
     flat = flatten(tensors)
     work = dist.broadcast(flat, global_rank(src, group), group=group, async_op=True)
-    wait_for(work, "initial model broadcast", timeout_s)
+    wait_for(work, "initial model broadcast", timeout_s, group)
     unflatten_into(tensors, flat)
 
 

@@ -58,7 +58,7 @@ class GradientSum(Synchronizer):
         except RuntimeError as error:
             if not is_peer_failure(error):
                 raise
-            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error) from error
+            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error, self.group) from error
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
@@ -69,4 +69,4 @@ class GradientSum(Synchronizer):
         except RuntimeError as error:
             if not is_peer_failure(error):
                 raise
-            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error) from error
+            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error, self.group) from error

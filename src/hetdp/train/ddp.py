@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import inspect
 import logging
 import time
@@ -30,6 +31,7 @@ from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
+from hetdp.liveness import Heartbeat
 from hetdp.runtime import wait_for
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
@@ -57,8 +59,11 @@ class _HookState:
         self.synchronizer = synchronizer
         self.world_size = world_size
         self.samples, self.total = 1, world_size  # outside a step: plain DDP's mean over ranks
+        self.reached = False
+        """Whether this step's gradient has reached the synchronization (a heartbeat's progress tells)."""
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.reached = True
         self.clock.mark_ready(bucket.is_last())
         return self.synchronizer.reduce(bucket, self.samples, self.total).then(self._synced)
 
@@ -70,6 +75,15 @@ class _HookState:
 def _comm_hook(state, bucket):  # no annotations: DDP checks them as types, and here they would be strings
     """DDP comm hook: weight and combine a bucket by the step's shares (see ``_HookState``)."""
     return state.reduce(bucket)
+
+
+def _progress(model_ref: weakref.ref[DistributedDataParallel]) -> int:
+    """How far a rank got, for its heartbeat: two points a step, the second once its gradient is synchronizing.
+
+    Weakly held: the heartbeat must not keep the model (and its process group) alive.
+    """
+    model = model_ref()
+    return 0 if model is None else 2 * model.steps_done + int(model._hook.reached)
 
 
 @dataclass
@@ -166,7 +180,8 @@ class DistributedDataParallel(TorchDDP):
             allocation: see the class docstring (None: ``$HETDP_ALLOCATION``, else ``"adaptive"``).
             sync: see the class docstring (None: ``$HETDP_SYNC``, else ``"allreduce"``).
             step_timeout_s: how long a step's collectives wait for the slowest rank; past it a dead or hung peer
-                raises ``PeerTimeoutError`` instead of hanging. Too small: a slow but healthy step raises too.
+                raises ``PeerTimeoutError`` naming that rank on every survivor (a few seconds later: the ranks'
+                heartbeats tell who went silent), instead of hanging. Too small: a slow but healthy step raises too.
             metrics: where rank 0 writes per-step and per-epoch figures (CSV, TensorBoard), if anywhere.
             emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
             process_group: the ranks training together (None: a new group of all ranks with ``step_timeout_s``).
@@ -225,6 +240,8 @@ class DistributedDataParallel(TorchDDP):
         """This rank's (step, compute s, wait s) since the last gather."""
         self._since_meeting = 0
         self._epoch: dict[str, Any] = {}
+        self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
+        weakref.finalize(self, self._heartbeat.stop)
 
     # --- the allocation ---------------------------------------------------------------------------------------
 
@@ -369,7 +386,7 @@ class DistributedDataParallel(TorchDDP):
         step, self._open = self._open, None
         if step is None:
             raise ConfigError("end_step() without an open step (call begin_step first)")
-        self._hook.samples, self._hook.total = 1, self.world_size
+        self._hook.samples, self._hook.total, self._hook.reached = 1, self.world_size, False
         ticket = step.ticket
         compute_s = self.clock.compute_s() if step.started else 0.0
         wait_s = self.clock.wait_s() if step.started else 0.0
@@ -485,7 +502,7 @@ class DistributedDataParallel(TorchDDP):
         mine = torch.tensor(row, dtype=torch.float64, device=device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         wait_for(dist.all_gather(rows, mine, group=self._group, async_op=True), "gathering step figures",
-                 self.step_timeout_s)
+                 self.step_timeout_s, self._group)
         return torch.stack(rows).cpu()
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
@@ -553,6 +570,7 @@ class DistributedDataParallel(TorchDDP):
         (idempotent). A gloo group left alive at interpreter exit can abort the process."""
         if self._group is None:
             return
+        self._heartbeat.stop()
         self.synchronizer.close()
         if self._writer is not None:
             self._writer.close()

@@ -1,7 +1,8 @@
 """Worker for tests/distributed/test_faults.py: the drop-in with step checkpoints, killed once and resumed.
 
 Every rank logs the dataset indices of each step it runs (``--log``); rank 0 saves the final parameters
-(``--out``). ``--die-at S`` kills rank ``--die-rank`` with SIGKILL after S steps on the first attempt.
+(``--out``). ``--die-at S`` sends rank ``--die-rank`` ``--signal`` (KILL: it dies; STOP: it hangs) after S steps
+on the first attempt.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    parser.add_argument("--step-timeout", type=float, default=60.0)
     parser.add_argument("--allocation", default="equal")
     parser.add_argument("--weights", default="")
     args = parser.parse_args()
@@ -48,7 +51,8 @@ def main() -> None:
     hetdp.init_distributed("gloo")
     torch.manual_seed(0)
     allocation = hetdp.Static(tuple(float(w) for w in args.weights.split(","))) if args.weights else args.allocation
-    model = hetdp.DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), allocation)
+    model = hetdp.DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), allocation,
+                      step_timeout_s=args.step_timeout)
     loader = model.allocate(DataLoader(Indexed(96), batch_size=4), global_batch=12, shuffle=True, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
@@ -67,7 +71,7 @@ def main() -> None:
                 log.write(f"{launch} {epoch} {model.steps_done} {model.rank} {' '.join(map(str, index.tolist()))}\n")
                 log.flush()
                 if first_attempt and model.rank == args.die_rank and model.steps_done + 1 == args.die_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
     if model.rank == 0:
         torch.save(model.module.state_dict(), args.out)
     model.close()

@@ -1,0 +1,194 @@
+"""Heartbeats on the launcher's store, so that a failed collective can say which peer went silent.
+
+A gloo or NCCL collective that times out says only that it timed out, and every
+survivor blames nobody. Each rank of a drop-in's group therefore beats into the
+c10d store once a second, from a thread of its own, with how far its training
+got. A killed, SIGSTOPped or wedged process stops beating. When a collective
+fails, the rank reads every beat twice, ``SILENCE_S`` apart: a rank whose beat
+did not move is silent; a rank that beats but has not reached the failed
+collective is stuck (a hang in its own code, or a step slower than the
+deadline). The first verdict reached is published, and every survivor raises
+that one, so a survivor that exits first is never mistaken for the culprit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 1.0
+"""Seconds between two beats of a rank."""
+SILENCE_S = 2.5
+"""A rank whose beat did not move in this long (more than two beats) is silent."""
+STORE_TIMEOUT_S = 5.0
+"""Longest wait for one store operation of a heartbeat or a diagnosis."""
+
+_watched: dict[int, Heartbeat] = {}
+"""The running heartbeat of each process group, by ``id(group)``."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Who a failed collective waited on: ``silent`` ranks stopped beating, ``stuck`` ones beat but lag behind."""
+
+    silent: tuple[int, ...] = ()
+    stuck: tuple[int, ...] = ()
+
+    @property
+    def culprits(self) -> tuple[int, ...]:
+        return self.silent or self.stuck
+
+    def describe(self) -> str:
+        """The verdict as the start of an error message ('' when it names nobody)."""
+        if self.silent:
+            return (f"{_ranks(self.silent)} stopped answering (no heartbeat for {SILENCE_S:g} s: killed, stopped "
+                    f"or hung)")
+        if self.stuck:
+            verb = "is" if len(self.stuck) == 1 else "are"
+            return (f"{_ranks(self.stuck)} {verb} alive but never joined (stuck in its own code, or slower than the "
+                    f"deadline)")
+        return ""
+
+    def encode(self) -> bytes:
+        return f"{','.join(map(str, self.silent))};{','.join(map(str, self.stuck))}".encode()
+
+    @staticmethod
+    def decode(value: bytes) -> Verdict:
+        silent, _, stuck = value.decode().partition(";")
+        return Verdict(tuple(int(r) for r in silent.split(",") if r), tuple(int(r) for r in stuck.split(",") if r))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def judge(before: Sequence[tuple[int, int] | None], after: Sequence[tuple[int, int] | None], me: int,
+          ranks: Sequence[int]) -> Verdict:
+    """The verdict from two reads of every rank's (beats, progress), ``SILENCE_S`` apart, as rank ``me`` sees it.
+
+    ``None`` is a rank that never beat. Ranks are named as ``ranks`` (the default group's numbering).
+    """
+    mine = after[me][1] if after[me] is not None else 0
+    silent, stuck = [], []
+    for rank, (first, last) in enumerate(zip(before, after)):
+        if rank == me:
+            continue
+        if first is None or last is None or last[0] == first[0]:
+            silent.append(ranks[rank])
+        elif last[1] < mine:
+            stuck.append(ranks[rank])
+    return Verdict(tuple(silent), tuple(stuck))
+
+
+class Heartbeat:
+    """One rank's beat in ``group`` and its diagnosis of a failed collective; collective to create.
+
+    ``progress`` says how far this rank got (any number that grows as it trains, the same scale on every rank).
+    Without a launcher's store (``MASTER_ADDR`` / ``MASTER_PORT``) it does nothing and diagnoses nobody.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, progress: Callable[[], int]) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self._progress = progress
+        message = [f"hetdp/live/{uuid.uuid4().hex}/" if self.rank == 0 else None]
+        dist.broadcast_object_list(message, group=group, group_src=0)
+        self._prefix: str = message[0]  # type: ignore[assignment]
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        self._store: dist.Store | None = None
+        if host and port:
+            self._store = dist.TCPStore(host, int(port), is_master=False,
+                                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._verdict: Verdict | None = None
+
+    def start(self) -> Heartbeat:
+        """Beat once now, then every ``BEAT_S`` seconds until ``stop()``; a failed collective may consult it."""
+        if self._store is None:
+            return self
+        beater = self._store.clone()
+        beats = 1
+        self._beat(beater, beats)
+        self._thread = threading.Thread(target=self._run, args=(beater, beats), name=f"hetdp-heartbeat-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        _watched[id(self.group)] = self
+        atexit.register(self.stop)  # before interpreter shutdown, which a thread inside the store must not see
+        return self
+
+    def stop(self) -> None:
+        """Stop beating (idempotent)."""
+        self._stopped.set()
+        if _watched.get(id(self.group)) is self:
+            del _watched[id(self.group)]
+        if self._thread is not None:
+            self._thread.join(timeout=STORE_TIMEOUT_S)
+            self._thread = None
+            atexit.unregister(self.stop)
+
+    def diagnose(self) -> Verdict | None:
+        """Who the failed collective waited on; the same verdict on every rank that asks (the first one reached).
+
+        Blocks about ``SILENCE_S`` seconds the first time; None when there is no store or it does not answer.
+        """
+        with self._lock:
+            if self._verdict is None and self._store is not None:
+                try:
+                    self._verdict = self._reach_verdict(self._store.clone())
+                except (dist.DistError, RuntimeError) as error:
+                    log.warning("rank %d: the store did not answer a diagnosis: %s", self.ranks[self.rank], error)
+            return self._verdict
+
+    def _reach_verdict(self, store: dist.Store) -> Verdict:
+        key = self._prefix + "verdict"
+        if store.check([key]):
+            return Verdict.decode(store.get(key))
+        before = self._read(store)
+        time.sleep(SILENCE_S)  # this rank's own thread beats on meanwhile
+        if store.check([key]):  # another survivor got there first (and may have exited since)
+            return Verdict.decode(store.get(key))
+        verdict = judge(before, self._read(store), self.rank, self.ranks)
+        return Verdict.decode(store.compare_set(key, "", verdict.encode()))
+
+    def _read(self, store: dist.Store) -> list[tuple[int, int] | None]:
+        values: list[tuple[int, int] | None] = []
+        for rank in range(len(self.ranks)):
+            key = f"{self._prefix}{rank}"
+            if store.check([key]):
+                beats, progress = store.get(key).decode().split()
+                values.append((int(beats), int(progress)))
+            else:
+                values.append(None)
+        return values
+
+    def _beat(self, store: dist.Store, beats: int) -> None:
+        store.set(f"{self._prefix}{self.rank}", f"{beats} {self._progress()}")
+
+    def _run(self, store: dist.Store, beats: int) -> None:
+        while not self._stopped.wait(BEAT_S):
+            beats += 1
+            try:
+                self._beat(store, beats)
+            except (dist.DistError, RuntimeError) as error:  # the launcher is gone: nothing left to tell
+                log.debug("rank %d: heartbeat stopped: %s", self.ranks[self.rank], error)
+                return
+
+
+def diagnose(group: dist.ProcessGroup | None) -> Verdict | None:
+    """The verdict of ``group``'s heartbeat on a failed collective, if the group has one."""
+    heartbeat = _watched.get(id(group)) if group is not None else None
+    return heartbeat.diagnose() if heartbeat is not None else None

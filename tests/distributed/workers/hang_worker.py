@@ -1,0 +1,48 @@
+"""Worker for test_liveness.py: rank ``--victim`` stops (SIGSTOP) or sleeps in its own code at step ``--at`` of the
+drop-in; every other rank writes what it raised to ``--out/rank-R.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetdp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--how", choices=("stop", "sleep"), required=True)
+    parser.add_argument("--victim", type=int, default=2)
+    parser.add_argument("--at", type=int, default=3)
+    args = parser.parse_args()
+    rank, _ = hetdp.init_distributed("gloo")
+    data = TensorDataset(torch.randn(240, 4), torch.randint(0, 2, (240,)))
+    model = hetdp.DDP(nn.Linear(4, 2), "equal", step_timeout_s=3.0)
+    loader = model.allocate(DataLoader(data, batch_size=4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step, (x, y) in enumerate(loader):
+            if step == args.at and rank == args.victim:
+                if args.how == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(60)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    except hetdp.PeerTimeoutError as error:
+        outcome = {"rank": error.rank, "message": str(error)}
+        (args.out / f"rank-{rank}.json").write_text(json.dumps(outcome))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The verdict a failed collective reaches from two reads of every rank's heartbeat."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetdp.liveness import Verdict, judge
+
+RANKS = [0, 1, 2, 3]
+
+
+def test_a_rank_whose_beat_did_not_move_is_silent():
+    before = [(5, 8), (5, 8), (3, 6), (5, 8)]
+    after = [(7, 9), (7, 9), (3, 6), (7, 9)]
+    assert judge(before, after, me=0, ranks=RANKS) == Verdict(silent=(2,))
+
+
+def test_a_rank_that_never_beat_is_silent():
+    assert judge([(1, 0), None], [(3, 1), None], me=0, ranks=[0, 1]).silent == (1,)
+
+
+def test_a_rank_that_beats_but_lags_behind_this_one_is_stuck():
+    before = [(5, 9), (5, 8), (5, 9)]
+    after = [(7, 9), (7, 8), (7, 9)]
+    assert judge(before, after, me=2, ranks=[0, 1, 2]) == Verdict(stuck=(1,))
+
+
+def test_silence_outranks_lag_and_ranks_are_named_in_the_default_group():
+    before = [(5, 9), (5, 8), (5, 9)]
+    after = [(7, 9), (7, 8), (5, 9)]
+    verdict = judge(before, after, me=0, ranks=[4, 6, 8])
+    assert verdict == Verdict(silent=(8,), stuck=(6,))
+    assert verdict.culprits == (8,)
+    assert verdict.describe().startswith("rank 8 stopped answering")
+
+
+def test_every_rank_alive_and_level_names_nobody():
+    state = [(5, 9), (5, 9)]
+    verdict = judge(state, [(6, 9), (6, 9)], me=1, ranks=[0, 1])
+    assert verdict.culprits == () and verdict.describe() == ""
+
+
+@given(st.lists(st.integers(0, 64), max_size=5, unique=True), st.lists(st.integers(0, 64), max_size=5, unique=True))
+def test_a_verdict_survives_the_store(silent, stuck):
+    verdict = Verdict(tuple(silent), tuple(stuck))
+    assert Verdict.decode(verdict.encode()) == verdict
