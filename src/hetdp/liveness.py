@@ -33,6 +33,9 @@ SILENCE_S = 2.5
 """A rank whose beat did not move in this long (more than two beats) is silent."""
 STORE_TIMEOUT_S = 5.0
 """Longest wait for one store operation of a heartbeat or a diagnosis."""
+CONNECT_TIMEOUT_S = 60.0
+"""Longest wait to connect to the store: it answered ``init_process_group`` moments before, but a loaded machine
+may be slow to accept."""
 
 _watched: dict[int, Heartbeat] = {}
 """The running heartbeat of each process group, by ``id(group)``."""
@@ -95,7 +98,8 @@ class Heartbeat:
     """One rank's beat in ``group`` and its diagnosis of a failed collective; collective to create.
 
     ``progress`` says how far this rank got (any number that grows as it trains, the same scale on every rank).
-    Without a launcher's store (``MASTER_ADDR`` / ``MASTER_PORT``) it does nothing and diagnoses nobody.
+    Without a launcher's store (``MASTER_ADDR`` / ``MASTER_PORT``), or if it cannot be reached, it does nothing
+    and diagnoses nobody: the heartbeat only names culprits, training never waits on it.
     """
 
     def __init__(self, group: dist.ProcessGroup, progress: Callable[[], int]) -> None:
@@ -106,25 +110,42 @@ class Heartbeat:
         message = [f"hetdp/live/{uuid.uuid4().hex}/" if self.rank == 0 else None]
         dist.broadcast_object_list(message, group=group, group_src=0)
         self._prefix: str = message[0]  # type: ignore[assignment]
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        self._store: dist.Store | None = None
-        if host and port:
-            self._store = dist.TCPStore(host, int(port), is_master=False,
-                                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self._store, self._beater = self._connect()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._verdict: Verdict | None = None
 
+    def _connect(self) -> tuple[dist.Store | None, dist.Store | None]:
+        """Two clients of the launcher's store, one for diagnoses and one for the beating thread (a client is not
+        shared between threads); (None, None) without a store or if it does not answer."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (host and port):
+            return None, None
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+            beater = store.clone()
+        except (dist.DistError, RuntimeError) as error:
+            log.warning("rank %d: no heartbeat, the store at %s:%s did not answer (%s); a failed collective will "
+                        "not name its culprit", self.ranks[self.rank], host, port, error)
+            return None, None
+        for client in (store, beater):
+            client.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return store, beater
+
     def start(self) -> Heartbeat:
         """Beat once now, then every ``BEAT_S`` seconds until ``stop()``; a failed collective may consult it."""
-        if self._store is None:
+        if self._beater is None:
             return self
-        beater = self._store.clone()
         beats = 1
-        self._beat(beater, beats)
-        self._thread = threading.Thread(target=self._run, args=(beater, beats), name=f"hetdp-heartbeat-{self.rank}",
-                                        daemon=True)
+        try:
+            self._beat(self._beater, beats)
+        except (dist.DistError, RuntimeError) as error:
+            log.warning("rank %d: no heartbeat, the store did not take a beat (%s)", self.ranks[self.rank], error)
+            return self
+        self._thread = threading.Thread(target=self._run, args=(self._beater, beats),
+                                        name=f"hetdp-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
         _watched[id(self.group)] = self
         atexit.register(self.stop)  # before interpreter shutdown, which a thread inside the store must not see
@@ -148,7 +169,7 @@ class Heartbeat:
         with self._lock:
             if self._verdict is None and self._store is not None:
                 try:
-                    self._verdict = self._reach_verdict(self._store.clone())
+                    self._verdict = self._reach_verdict(self._store)
                 except (dist.DistError, RuntimeError) as error:
                     log.warning("rank %d: the store did not answer a diagnosis: %s", self.ranks[self.rank], error)
             return self._verdict
@@ -183,9 +204,8 @@ class Heartbeat:
             beats += 1
             try:
                 self._beat(store, beats)
-            except (dist.DistError, RuntimeError) as error:  # the launcher is gone: nothing left to tell
-                log.debug("rank %d: heartbeat stopped: %s", self.ranks[self.rank], error)
-                return
+            except (dist.DistError, RuntimeError) as error:  # a slow store, or the launcher is gone: try again
+                log.debug("rank %d: a heartbeat was lost: %s", self.ranks[self.rank], error)
 
 
 def diagnose(group: dist.ProcessGroup | None) -> Verdict | None:

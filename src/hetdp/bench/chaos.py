@@ -1,16 +1,22 @@
-"""Chaos: a worker killed (SIGKILL) at a random step of a short adaptive run, restarted from its step checkpoint.
+"""Chaos: a worker killed (SIGKILL) or hung (SIGSTOP) at a random step of a short adaptive run, restarted.
 
 Each trial launches the drop-in (adaptive allocation, allreduce, AdamW) at
 speeds 1,1,2,4 with step checkpoints every ``--every`` steps under
-``max_restarts=2``; a killer thread SIGKILLs a random rank once rank 0 has
-logged a random step. One more trial resumes a 4-rank checkpoint on 3 ranks.
+``max_restarts=2``; a killer thread signals a random rank once rank 0 has
+logged a random step: SIGKILL, or SIGSTOP in every other trial. One more trial
+resumes a 4-rank checkpoint on 3 ranks.
 
 Figures: ``recovered`` of ``trials`` (runs that finished), ``max_lost_steps``
 (steps run again after a fault), ``final_param_gap`` (largest difference of the
 final parameters against an uninterrupted run with the same seed: adaptive
 shares follow measured times, so the sum order of the gradient differs between
-runs and the gap is rounding, not 0), ``resize_ok`` (the 3-rank resume finished
-and trained each sample of every epoch exactly once, ``data_exact``).
+runs and the gap is rounding, not 0), ``named`` (faults after which every
+survivor's PeerTimeoutError named the signalled rank), ``max_detect_s`` (the
+longest time from a SIGSTOP to the last survivor's error; the target is
+``STEP_TIMEOUT_S`` + 5 s), ``resize_ok`` (the 3-rank resume finished and
+trained each sample of every epoch exactly once) and ``resize_stable_steps``
+(steps after the 3-rank resume until the adaptive shares were stable again; an
+epoch is ``DATASET // GLOBAL_BATCH`` steps).
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -26,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation
+from hetdp.errors import HetDPError, PeerTimeoutError
 from hetdp.launch import ENV_RESTART, run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
@@ -46,6 +55,17 @@ DATASET = 192
 GLOBAL_BATCH = 16
 EPOCHS = 2
 TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 5.0
+"""The workers' ``step_timeout_s``: how long a stopped peer may go unnoticed."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One trial's fault: ``signal`` sent to ``rank`` of the first attempt once rank 0 has logged ``step``."""
+
+    rank: int
+    step: int
+    signal: signal.Signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,37 +78,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chooser = random.Random(args.seed)
     steps = EPOCHS * DATASET // GLOBAL_BATCH
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="hetdp-chaos-") as folder:
+    faults = [Fault(chooser.randrange(len(SPEEDS)), chooser.randrange(2, steps - 1),
+                    signal.SIGSTOP if trial % 2 else signal.SIGKILL) for trial in range(trials)]
+    progress = tqdm(total=trials + 3, desc="chaos", unit="launch", file=sys.stderr, disable=None)
+    with tempfile.TemporaryDirectory(prefix="hetdp-chaos-") as folder, progress:
         root = Path(folder)
+        progress.set_postfix_str("uninterrupted reference")
         reference = _launch(root / "reference", len(SPEEDS), args)
+        progress.update()
         outcomes = []
-        for trial in range(trials):
-            kill_at = chooser.randrange(2, steps - 1)
-            victim = chooser.randrange(len(SPEEDS))
-            outcome = _trial(root / f"trial-{trial}", args, kill_at, victim)
+        for trial, fault in enumerate(faults):
+            progress.set_postfix_str(f"rank {fault.rank} {fault.signal.name} at step {fault.step}")
+            outcome = _trial(root / f"trial-{trial}", args, fault)
             outcome["param_gap"] = _gap(reference["params"], outcome["params"]) if outcome["finished"] else None
             outcomes.append(outcome)
-            print(f"trial {trial + 1}/{trials}: rank {victim} killed at step {kill_at}, "
-                  f"finished {outcome['finished']}, lost steps {outcome['lost_steps']}", flush=True)
-        resize = _resize(root / "resize", args)
+            progress.update()
+        progress.set_postfix_str("4 ranks resumed on 3")
+        resize_ok, resize_stable_steps = _resize(root / "resize", args)
+        progress.update(2)
     gaps = [o["param_gap"] for o in outcomes if o["param_gap"] is not None]
+    detect = [o["detect_s"] for o in outcomes if o["detect_s"] is not None]
     return {
         "trials": trials,
         "recovered": sum(o["finished"] for o in outcomes),
+        "stopped": sum(fault.signal == signal.SIGSTOP for fault in faults),
+        "named": sum(o["named"] for o in outcomes),
+        "max_detect_s": round(max(detect), 1) if detect else None,
+        "step_timeout_s": STEP_TIMEOUT_S,
         "max_lost_steps": max(o["lost_steps"] for o in outcomes),
         "every": args.every,
         "final_param_gap": max(gaps) if gaps else None,
-        "resize_ok": resize,
+        "resize_ok": resize_ok,
+        "resize_stable_steps": resize_stable_steps,
+        "epoch_steps": DATASET // GLOBAL_BATCH,
         "seconds": round(time.monotonic() - started, 1),
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    table = format_table([{key: result[key] for key in ("recovered", "trials", "max_lost_steps", "every",
-                                                          "final_param_gap", "resize_ok", "seconds")}],
-                         title="a random rank killed (SIGKILL) at a random step, --max-restarts 2")
-    return table + ("\nmax_lost_steps: steps run again after a fault (target <= every); final_param_gap: against "
-                    "an uninterrupted run (adaptive shares vary the gradient's sum order: rounding only)")
+    keys = ("recovered", "trials", "stopped", "named", "max_detect_s", "max_lost_steps", "every", "final_param_gap",
+            "resize_ok", "resize_stable_steps", "epoch_steps", "seconds")
+    table = format_table([{key: result[key] for key in keys}],
+                         title="a random rank killed (SIGKILL) or hung (SIGSTOP) at a random step, --max-restarts 2")
+    return table + ("\nnamed: faults after which every survivor named the signalled rank; max_detect_s: SIGSTOP to "
+                    f"the survivors' error (target <= step_timeout_s + 5 = {result['step_timeout_s'] + 5:g}); "
+                    "max_lost_steps: steps run again after a fault (target <= every); final_param_gap: against an "
+                    "uninterrupted run (adaptive shares vary the gradient's sum order: rounding only); "
+                    "resize_stable_steps: steps until adaptive shares are stable on 3 ranks (target <= epoch_steps)")
 
 
 def _launch(folder: Path, nproc: int, args: argparse.Namespace, *, max_restarts: int = 0,
@@ -96,46 +132,65 @@ def _launch(folder: Path, nproc: int, args: argparse.Namespace, *, max_restarts:
     folder.mkdir(parents=True, exist_ok=True)
     if killer is not None:
         killer.start()
-    completed = run_local("hetdp.bench.chaos", nproc, ["--folder", folder, "--every", args.every], module=True,
-                          capture=True, timeout_s=TIMEOUT_S, max_restarts=max_restarts)
+    try:
+        completed = run_local("hetdp.bench.chaos", nproc, ["--folder", folder, "--every", args.every], module=True,
+                              capture=True, timeout_s=TIMEOUT_S, max_restarts=max_restarts, report_errors=True)
+        finished = completed.returncode == 0
+    except HetDPError:  # the last attempt failed too
+        finished = False
     if killer is not None:
         killer.join()
     out = folder / "params.pt"
-    finished = completed.returncode == 0 and out.is_file()
+    finished = finished and out.is_file()
     return {"finished": finished, "params": torch.load(out) if finished else None, "log": folder / "steps.log"}
 
 
-def _trial(folder: Path, args: argparse.Namespace, kill_at: int, victim: int) -> dict[str, Any]:
-    killer = threading.Thread(target=_kill_when, args=(folder, kill_at, victim), daemon=True)
+def _trial(folder: Path, args: argparse.Namespace, fault: Fault) -> dict[str, Any]:
+    killer = threading.Thread(target=_signal_when, args=(folder, fault), daemon=True)
     outcome = _launch(folder, len(SPEEDS), args, max_restarts=2, killer=killer)
     outcome["lost_steps"] = _lost_steps(outcome["log"])
+    outcome["named"], outcome["detect_s"] = False, None
+    if fault.signal == signal.SIGSTOP:
+        signalled = float((folder / "signalled").read_text())
+        survivors = [line.split() for line in _lines(folder / "faults.log") if line.startswith("0 ")]
+        outcome["named"] = len(survivors) == len(SPEEDS) - 1 and all(int(culprit) == fault.rank
+                                                                     for _, _, culprit, _ in survivors)
+        outcome["detect_s"] = max((float(at) for *_, at in survivors), default=float("inf")) - signalled
     return outcome
 
 
-def _kill_when(folder: Path, step: int, rank: int) -> None:
-    """SIGKILL ``rank`` of the first attempt once rank 0 has logged ``step``."""
+def _signal_when(folder: Path, fault: Fault) -> None:
+    """Send the fault's signal to its rank of the first attempt once rank 0 has logged its step; note the time."""
     deadline = time.monotonic() + TIMEOUT_S
-    log, pid = folder / "steps.log", folder / f"pid-0-{rank}"
+    log, pid = folder / "steps.log", folder / f"pid-0-{fault.rank}"
     while time.monotonic() < deadline:
-        if pid.is_file() and log.is_file() and any(int(line.split()[2]) >= step and line.split()[3] == "0"
-                                                   for line in log.read_text().splitlines() if line.strip()):
-            os.kill(int(pid.read_text()), signal.SIGKILL)
+        if pid.is_file() and any(int(line.split()[2]) >= fault.step and line.split()[3] == "0" for line in _lines(log)):
+            (folder / "signalled").write_text(repr(time.time()))
+            os.kill(int(pid.read_text()), fault.signal)
             return
         time.sleep(0.05)
 
 
-def _resize(folder: Path, args: argparse.Namespace) -> bool:
-    """Run 4 ranks killed mid-epoch (no restart), then resume the checkpoint on 3: finished, each sample once."""
-    killer = threading.Thread(target=_kill_when, args=(folder, DATASET // GLOBAL_BATCH // 2, 1), daemon=True)
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _resize(folder: Path, args: argparse.Namespace) -> tuple[bool, int | None]:
+    """Run 4 ranks killed mid-epoch (no restart), then resume the checkpoint on 3. Returns whether it finished,
+    each sample trained once per epoch, and the steps the adaptive shares took to be stable again."""
+    killer = threading.Thread(target=_signal_when, args=(folder, Fault(1, DATASET // GLOBAL_BATCH // 2,
+                                                                       signal.SIGKILL)), daemon=True)
     first = _launch(folder, len(SPEEDS), args, killer=killer)
     second = _launch(folder, len(SPEEDS) - 1, args)
-    return not first["finished"] and second["finished"] and _data_exact(second["log"])
+    ok = not first["finished"] and second["finished"] and _data_exact(second["log"])
+    stable = [line.split() for line in _lines(folder / "stable.log") if line.startswith(f"{len(SPEEDS) - 1} ")]
+    return ok, int(stable[0][2]) - int(stable[0][1]) if stable else None
 
 
 def _records(log: Path) -> dict[int, dict[str, list[tuple[int, list[int]]]]]:
     """Step -> launch -> (epoch, indices) per rank line, in the order written."""
     steps: dict[int, dict[str, list[tuple[int, list[int]]]]] = collections.defaultdict(dict)
-    for line in log.read_text().splitlines():
+    for line in _lines(log):
         launch, epoch, step, _, *indices = line.split()
         steps[int(step)].setdefault(launch, []).append((int(epoch), [int(i) for i in indices]))
     return steps
@@ -189,20 +244,30 @@ def _worker(argv: list[str]) -> None:
     torch.manual_seed(0)
     emulation = Emulation(speeds=SPEEDS[:world_size], sample_cost_ms=1.0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)), "adaptive",
-                                    emulation=emulation)
+                                    emulation=emulation, step_timeout_s=STEP_TIMEOUT_S)
     loader = model.allocate(DataLoader(_Indexed(), batch_size=4), global_batch=GLOBAL_BATCH, shuffle=True, seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = model.checkpointer(args.folder / "ckpt", optimizer, every=args.every)
     ckpt.resume()
+    resumed_at, stable = model.steps_done, model.allocator.stable
     with (args.folder / "steps.log").open("a") as log:
-        for epoch in range(ckpt.epoch, EPOCHS):
-            loader.sampler.set_epoch(epoch)
-            for x, y, index in loader:
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                log.write(f"{launch} {epoch} {model.steps_done} {rank} {' '.join(map(str, index.tolist()))}\n")
-                log.flush()
+        try:
+            for epoch in range(ckpt.epoch, EPOCHS):
+                loader.sampler.set_epoch(epoch)
+                for x, y, index in loader:
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+                    log.write(f"{launch} {epoch} {model.steps_done} {rank} {' '.join(map(str, index.tolist()))}\n")
+                    log.flush()
+                    if rank == 0 and not stable and model.allocator.stable:
+                        stable = True
+                        with (args.folder / "stable.log").open("a") as stable_log:
+                            stable_log.write(f"{world_size} {resumed_at} {model.steps_done}\n")
+        except PeerTimeoutError as error:
+            with (args.folder / "faults.log").open("a") as faults:
+                faults.write(f"{attempt} {rank} {error.rank} {time.time()!r}\n")
+            raise
     if rank == 0:
         torch.save(model.module.state_dict(), args.folder / "params.pt")
     model.close()

@@ -228,6 +228,8 @@ class DistributedDataParallel(TorchDDP):
         """Steps finished, over all epochs: the global index of the next step."""
         self.resume_position: tuple[int, int] = (0, 0)
         """(epoch, step within it) a loaded checkpoint resumes at; the allocated loader starts there."""
+        self.resume_random_state: dict[str, Any] | None = None
+        """This rank's random state a loaded checkpoint saved; the allocated loader restores it as the loop starts."""
         self._checkpointer: Checkpointer | None = None
         self._next_epoch = 0
         """The epoch after the last one ended: where a checkpoint taken between epochs resumes."""

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from hetdp.allocate.pack import CostBalance, pack_by_cost
 from hetdp.allocate.sampler import split_step
 from hetdp.errors import ConfigError
+from hetdp.train.stepcheckpoint import set_random_state
 
 if TYPE_CHECKING:
     from hetdp.train.ddp import DistributedDataParallel
@@ -253,7 +254,11 @@ class AllocatedLoader:
         self.sampler.tickets.clear()  # a loop that broke off early left tickets of steps never run
         self.sampler.next_step = self.model.steps_done
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
-        for batch in self._loader:
+        batches = iter(self._loader)  # draws the workers' base seed from the global generator
+        if self.model.resume_random_state is not None:  # after that draw, which the saved run made before saving
+            set_random_state(self.model.resume_random_state)
+            self.model.resume_random_state = None
+        for batch in batches:
             self.model.begin_ticket(self.sampler.tickets.popleft())
             yield batch
             self.model.end_step()

@@ -2,17 +2,22 @@
 
 Rank 0 writes every ``every`` steps (atomically, keeping the last two) and rank 0
 reads, then broadcasts, so the ranks need no shared filesystem. A newest
-checkpoint that cannot be read is reported and the previous one is used.
+checkpoint that cannot be read is reported and the previous one is used. Every
+rank's random state (Python, NumPy, torch, CUDA) is saved too, so that dropout
+and augmentation draw after a resume what they would have drawn without the
+fault.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,6 +53,21 @@ def load_newest(folder: str | Path) -> dict[str, Any] | None:
     return None
 
 
+def random_state() -> dict[str, Any]:
+    """This process's random generators: Python's, NumPy's, torch's and (once initialized) CUDA's."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+
+def set_random_state(state: dict[str, Any]) -> None:
+    """Restore what ``random_state`` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class Checkpointer:
     """Saves the training state every ``every`` steps and resumes from the newest checkpoint.
 
@@ -77,10 +97,17 @@ class Checkpointer:
             self.save()
 
     def save(self) -> Path | None:
-        """Write the state now (rank 0 only; the others return None); keeps the last ``KEEP`` checkpoints."""
+        """Write the state now (collective: rank 0 gathers the random states and writes, the others return None);
+        keeps the last ``KEEP`` checkpoints."""
+        random_states: list[Any] | None = [None] * self.model.world_size if self.model.rank == 0 else None
+        if self.model.world_size > 1:
+            dist.gather_object(random_state(), random_states, group=self.model.process_group, group_dst=0)
+        elif random_states is not None:
+            random_states[0] = random_state()
         if self.model.rank != 0:
             return None
         state = {
+            "random": random_states,
             "module": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
@@ -99,7 +126,9 @@ class Checkpointer:
         """Load the newest valid checkpoint on every rank (collective: rank 0 reads, then broadcasts).
 
         Returns whether a checkpoint was found. The allocated loader's next ``set_epoch(ckpt.epoch)`` starts at
-        the saved step, so the rest of the epoch's order continues exactly.
+        the saved step, so the rest of the epoch's order continues exactly. On as many ranks as saved it, each
+        rank's random state comes back as the loop starts (on another count of ranks, the ranks' draws cannot
+        map, and the generators keep the seeds the script gave them).
         """
         found = [load_newest(self.folder) if self.model.rank == 0 else None]
         if self.model.world_size > 1:
@@ -114,6 +143,9 @@ class Checkpointer:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.model.load_hetdp_state_dict(state["hetdp"])
+        random_states = state.get("random")
+        if random_states is not None and len(random_states) == self.model.world_size:
+            self.model.resume_random_state = random_states[self.model.rank]
         self.epoch = self.model.resume_position[0]
         log.info("rank %d: resumed at step %d (epoch %d, step %d of it)", self.model.rank, self.model.steps_done,
                  *self.model.resume_position)

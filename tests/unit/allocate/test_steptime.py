@@ -1,5 +1,6 @@
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -8,14 +9,20 @@ from hetdp import ConfigError
 from hetdp.allocate.steptime import StepTime, fit_step_time
 
 
+def separable(truth: StepTime, shares: list[int]) -> bool:
+    """Whether a fixed cost, the micro-batch cost and the per-sample cost can be told apart at these shares: the
+    points (1, forwards, share) span all three. One micro-batch count, or forwards on a line with the shares (all
+    full micro-batches, say), leave some mix of the three costs unseen."""
+    design = np.array([[1.0, truth.forwards(share), share] for share in shares])
+    return bool(np.linalg.matrix_rank(design) == 3)
+
+
 @given(per_forward=st.floats(0.0, 0.02), per_sample=st.floats(1e-4, 1e-2), chunk=st.integers(4, 64),
        shares=st.lists(st.integers(1, 300), min_size=3, max_size=6, unique=True))
 def test_recovers_the_step_time_from_exact_measurements(per_forward, per_sample, chunk, shares):
     truth = StepTime(per_forward, per_sample, chunk)
-    if len({truth.forwards(share) for share in shares}) < 2:
-        return  # one micro-batch count: the micro-batch cost cannot be told from the samples' (see below)
-    if len({truth.forwards(share) - share / chunk for share in shares}) < 2:
-        return  # forwards proportional to shares (all full micro-batches, say): again no way to tell the two apart
+    if not separable(truth, shares):
+        return
     fitted = fit_step_time([(share, truth.seconds(share)) for share in shares], chunk)
     for share in range(1, 400, 7):
         assert fitted.seconds(share) == pytest.approx(truth.seconds(share), rel=1e-6, abs=1e-9)
@@ -26,7 +33,7 @@ def test_recovers_the_step_time_from_exact_measurements(per_forward, per_sample,
 def test_runs_through_the_latest_point_and_learns_the_micro_batch_jump(fixed, per_forward, per_sample, chunk, shares):
     truth = StepTime(per_forward, per_sample, chunk)
     measured = [(share, fixed + truth.seconds(share)) for share in shares]
-    if len({truth.forwards(share) for share in shares}) < 2:
+    if not separable(truth, shares):
         return
     fitted = fit_step_time(measured, chunk)
     latest_share, latest_s = measured[-1]

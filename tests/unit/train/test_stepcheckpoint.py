@@ -1,10 +1,13 @@
 """Step checkpoints on disk: newest first, a damaged newest one is reported and the previous one used."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
-from hetdp.train.checkpoint import save_checkpoint
-from hetdp.train.stepcheckpoint import checkpoint_paths, load_newest
+from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
+from hetdp.train.stepcheckpoint import checkpoint_paths, load_newest, random_state, set_random_state
 
 
 def test_the_newest_checkpoint_is_loaded(tmp_path):
@@ -25,3 +28,16 @@ def test_a_truncated_newest_checkpoint_warns_and_the_previous_one_is_used(tmp_pa
 
 def test_no_checkpoint_is_none(tmp_path):
     assert load_newest(tmp_path / "missing") is None
+
+
+def draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_a_saved_random_state_draws_again_what_followed_it(tmp_path):
+    torch.manual_seed(7)
+    path = save_checkpoint(tmp_path / "step-00000001.pt", {"random": random_state()})
+    expected = draws()
+    assert draws() != expected
+    set_random_state(load_checkpoint(path)["random"])
+    assert draws() == expected
