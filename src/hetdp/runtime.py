@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -132,19 +134,27 @@ def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseExcep
     )
 
 
+@contextlib.contextmanager
+def peer_failures(what: str, timeout_s: float, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Turn a peer's failure inside the block's collectives over ``group`` into a PeerTimeoutError naming it; for
+    the synchronous ones (object collectives), which take no deadline of their own but ``group``'s."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else None
+        raise peer_failure(rank, what, timeout_s, error, group) from error
+
+
 def wait_for(work: dist.Work, what: str, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
     """Wait for an asynchronous collective or transfer over ``group``; a silent peer becomes a PeerTimeoutError.
 
     Raises:
         PeerTimeoutError: ``what`` did not finish within ``timeout_s`` seconds.
     """
-    try:
+    with peer_failures(what, timeout_s, group):
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        if not is_peer_failure(error):
-            raise
-        rank = dist.get_rank() if dist.is_initialized() else None
-        raise peer_failure(rank, what, timeout_s, error, group) from error
 
 
 def barrier(group: dist.ProcessGroup | None = None, timeout_s: float = Timeouts.round_s) -> None:

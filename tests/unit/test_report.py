@@ -1,6 +1,7 @@
 """Tables printed a row at a time, the launcher's progress bar, and the allocation plots."""
 
-from hetdp.report import LaunchProgress, StreamingTable, compute_wait_figure, format_table, shares_figure
+from hetdp.plots import compute_wait_figure, shares_figure
+from hetdp.report import LaunchProgress, StreamingTable, format_table
 
 
 def test_a_streamed_table_prints_its_header_once_and_aligns_like_a_whole_one():

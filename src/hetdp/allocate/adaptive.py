@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from scipy import stats
+from scipy.special import stdtrit
 
 from hetdp.allocate.apportion import apportion, apportion_min_max
 from hetdp.allocate.minmax import min_max_shares
@@ -221,7 +221,7 @@ class AdaptiveAllocator:
         # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
         # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
         confidence = 1.0 - 0.025 / len(self.shares)
-        t_quantile = float(stats.t.ppf(confidence, self._noise_dof)) if self._noise_dof else 2.0
+        t_quantile = float(stdtrit(self._noise_dof, confidence)) if self._noise_dof else 2.0
         required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
         if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:

@@ -18,7 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "drift": "adaptive allocation when a device slows down after the shares settled: steps to recover, re-plans",
     "simcheck": "the simulator against emulated ranks of the drop-in at 4, 8 and 16 ranks: predicted vs measured "
                 "samples/s per setting and pairing",
-    "chaos": "a random worker killed at a random step under --max-restarts 2: recovery, lost steps, parameter gap, "
-             "resize 4 -> 3 ranks",
+    "chaos": "a random worker killed or hung at a random step under --max-restarts 2: recovery, the hung rank named, "
+             "lost steps, parameter gap, resize 4 -> 3 ranks",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

@@ -3,8 +3,8 @@
 Each trial launches the drop-in (adaptive allocation, allreduce, AdamW) at
 speeds 1,1,2,4 with step checkpoints every ``--every`` steps under
 ``max_restarts=2``; a killer thread signals a random rank once rank 0 has
-logged a random step: SIGKILL, or SIGSTOP in every other trial. One more trial
-resumes a 4-rank checkpoint on 3 ranks.
+logged a random step: SIGKILL, or SIGSTOP in every other trial. The last trial
+is not restarted on 4 ranks but resumed on 3.
 
 Figures: ``recovered`` of ``trials`` (runs that finished), ``max_lost_steps``
 (steps run again after a fault), ``final_param_gap`` (largest difference of the
@@ -13,10 +13,12 @@ shares follow measured times, so the sum order of the gradient differs between
 runs and the gap is rounding, not 0), ``named`` (faults after which every
 survivor's PeerTimeoutError named the signalled rank), ``max_detect_s`` (the
 longest time from a SIGSTOP to the last survivor's error; the target is
-``STEP_TIMEOUT_S`` + 5 s), ``resize_ok`` (the 3-rank resume finished and
-trained each sample of every epoch exactly once) and ``resize_stable_steps``
-(steps after the 3-rank resume until the adaptive shares were stable again; an
-epoch is ``DATASET // GLOBAL_BATCH`` steps).
+``STEP_TIMEOUT_S`` + 5 s), ``data_exact`` (runs whose epochs, as their
+steps were last run, trained each sample exactly once), ``resize_ok`` (the 3-rank resume finished and
+trained each sample of every epoch exactly once; its parameters count in the
+gap too, since the gradient is the global batch's mean on any number of ranks)
+and ``resize_stable_steps`` (steps after the 3-rank resume until the adaptive
+shares were stable again; an epoch is ``DATASET // GLOBAL_BATCH`` steps).
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -69,18 +71,20 @@ class Fault:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trials", type=positive_int, help="killed runs (default 20; --quick 5)")
+    parser.add_argument("--trials", type=positive_int, help="faulty runs, the last one resumed on 3 ranks (default 20; --quick 5)")
     parser.add_argument("--every", type=positive_int, default=4, help="steps between checkpoints (default 4)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     trials = args.trials or (5 if args.quick else 20)
     chooser = random.Random(args.seed)
-    steps = EPOCHS * DATASET // GLOBAL_BATCH
+    steps, epoch_steps = EPOCHS * DATASET // GLOBAL_BATCH, DATASET // GLOBAL_BATCH
     started = time.monotonic()
     faults = [Fault(chooser.randrange(len(SPEEDS)), chooser.randrange(2, steps - 1),
-                    signal.SIGSTOP if trial % 2 else signal.SIGKILL) for trial in range(trials)]
-    progress = tqdm(total=trials + 3, desc="chaos", unit="launch", file=sys.stderr, disable=None)
+                    signal.SIGSTOP if trial % 2 else signal.SIGKILL) for trial in range(trials - 1)]
+    # the last trial resumes on 3 ranks, early enough that an epoch is left to see the shares settle again
+    faults.append(Fault(chooser.randrange(len(SPEEDS)), chooser.randrange(2, epoch_steps), signal.SIGKILL))
+    progress = tqdm(total=trials + 1, desc="chaos", unit="run", file=sys.stderr, disable=None)
     with tempfile.TemporaryDirectory(prefix="hetdp-chaos-") as folder, progress:
         root = Path(folder)
         progress.set_postfix_str("uninterrupted reference")
@@ -88,14 +92,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.update()
         outcomes = []
         for trial, fault in enumerate(faults):
-            progress.set_postfix_str(f"rank {fault.rank} {fault.signal.name} at step {fault.step}")
-            outcome = _trial(root / f"trial-{trial}", args, fault)
+            resize = trial == trials - 1
+            progress.set_postfix_str(f"rank {fault.rank} {fault.signal.name} at step {fault.step}"
+                                     + (", resumed on 3 ranks" if resize else ""))
+            outcome = _trial(root / f"trial-{trial}", args, fault, resize=resize)
             outcome["param_gap"] = _gap(reference["params"], outcome["params"]) if outcome["finished"] else None
             outcomes.append(outcome)
             progress.update()
-        progress.set_postfix_str("4 ranks resumed on 3")
-        resize_ok, resize_stable_steps = _resize(root / "resize", args)
-        progress.update(2)
+    resized = outcomes[-1]  # its log went with the folder: what it showed is in the outcome
     gaps = [o["param_gap"] for o in outcomes if o["param_gap"] is not None]
     detect = [o["detect_s"] for o in outcomes if o["detect_s"] is not None]
     return {
@@ -106,24 +110,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_detect_s": round(max(detect), 1) if detect else None,
         "step_timeout_s": STEP_TIMEOUT_S,
         "max_lost_steps": max(o["lost_steps"] for o in outcomes),
+        "data_exact": sum(o["finished"] and o["data_exact"] for o in outcomes),
         "every": args.every,
         "final_param_gap": max(gaps) if gaps else None,
-        "resize_ok": resize_ok,
-        "resize_stable_steps": resize_stable_steps,
-        "epoch_steps": DATASET // GLOBAL_BATCH,
+        "resize_ok": resized["finished"] and resized["data_exact"],
+        "resize_stable_steps": resized["stable_steps"],
+        "epoch_steps": epoch_steps,
         "seconds": round(time.monotonic() - started, 1),
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    keys = ("recovered", "trials", "stopped", "named", "max_detect_s", "max_lost_steps", "every", "final_param_gap",
-            "resize_ok", "resize_stable_steps", "epoch_steps", "seconds")
+    keys = ("recovered", "trials", "stopped", "named", "max_detect_s", "max_lost_steps", "every", "data_exact",
+            "final_param_gap", "resize_ok", "resize_stable_steps", "epoch_steps", "seconds")
     table = format_table([{key: result[key] for key in keys}],
                          title="a random rank killed (SIGKILL) or hung (SIGSTOP) at a random step, --max-restarts 2")
     return table + ("\nnamed: faults after which every survivor named the signalled rank; max_detect_s: SIGSTOP to "
                     f"the survivors' error (target <= step_timeout_s + 5 = {result['step_timeout_s'] + 5:g}); "
-                    "max_lost_steps: steps run again after a fault (target <= every); final_param_gap: against an "
-                    "uninterrupted run (adaptive shares vary the gradient's sum order: rounding only); "
+                    "max_lost_steps: steps run again after a fault (target <= every); data_exact: runs that trained "
+                    "each sample once per epoch; final_param_gap: against an uninterrupted run (adaptive shares vary "
+                    "the gradient's sum order: rounding only); "
                     "resize_stable_steps: steps until adaptive shares are stable on 3 ranks (target <= epoch_steps)")
 
 
@@ -145,10 +151,17 @@ def _launch(folder: Path, nproc: int, args: argparse.Namespace, *, max_restarts:
     return {"finished": finished, "params": torch.load(out) if finished else None, "log": folder / "steps.log"}
 
 
-def _trial(folder: Path, args: argparse.Namespace, fault: Fault) -> dict[str, Any]:
+def _trial(folder: Path, args: argparse.Namespace, fault: Fault, *, resize: bool = False) -> dict[str, Any]:
+    """One faulty run under ``max_restarts=2``; with ``resize``, the first attempt is not restarted but resumed on
+    one rank fewer."""
     killer = threading.Thread(target=_signal_when, args=(folder, fault), daemon=True)
-    outcome = _launch(folder, len(SPEEDS), args, max_restarts=2, killer=killer)
+    if resize:
+        _launch(folder, len(SPEEDS), args, killer=killer)
+        outcome = _launch(folder, len(SPEEDS) - 1, args, max_restarts=2)
+    else:
+        outcome = _launch(folder, len(SPEEDS), args, max_restarts=2, killer=killer)
     outcome["lost_steps"] = _lost_steps(outcome["log"])
+    outcome["data_exact"] = _data_exact(outcome["log"])
     outcome["named"], outcome["detect_s"] = False, None
     if fault.signal == signal.SIGSTOP:
         signalled = float((folder / "signalled").read_text())
@@ -156,6 +169,8 @@ def _trial(folder: Path, args: argparse.Namespace, fault: Fault) -> dict[str, An
         outcome["named"] = len(survivors) == len(SPEEDS) - 1 and all(int(culprit) == fault.rank
                                                                      for _, _, culprit, _ in survivors)
         outcome["detect_s"] = max((float(at) for *_, at in survivors), default=float("inf")) - signalled
+    resumed = [line.split() for line in _lines(folder / "stable.log") if line.startswith(f"{len(SPEEDS) - 1} ")]
+    outcome["stable_steps"] = int(resumed[0][2]) - int(resumed[0][1]) if resumed else None
     return outcome
 
 
@@ -173,18 +188,6 @@ def _signal_when(folder: Path, fault: Fault) -> None:
 
 def _lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def _resize(folder: Path, args: argparse.Namespace) -> tuple[bool, int | None]:
-    """Run 4 ranks killed mid-epoch (no restart), then resume the checkpoint on 3. Returns whether it finished,
-    each sample trained once per epoch, and the steps the adaptive shares took to be stable again."""
-    killer = threading.Thread(target=_signal_when, args=(folder, Fault(1, DATASET // GLOBAL_BATCH // 2,
-                                                                       signal.SIGKILL)), daemon=True)
-    first = _launch(folder, len(SPEEDS), args, killer=killer)
-    second = _launch(folder, len(SPEEDS) - 1, args)
-    ok = not first["finished"] and second["finished"] and _data_exact(second["log"])
-    stable = [line.split() for line in _lines(folder / "stable.log") if line.startswith(f"{len(SPEEDS) - 1} ")]
-    return ok, int(stable[0][2]) - int(stable[0][1]) if stable else None
 
 
 def _records(log: Path) -> dict[int, dict[str, list[tuple[int, list[int]]]]]:

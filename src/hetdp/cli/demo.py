@@ -11,7 +11,8 @@ from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import load_dataset
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
-from hetdp.report import StreamingTable, print_above_progress, write_allocation_plots
+from hetdp.plots import write_allocation_plots
+from hetdp.report import StreamingTable, print_above_progress
 from hetdp.train.allocation import diagnose_straggler
 
 GLOBAL_BATCH = 128

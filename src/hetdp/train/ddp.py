@@ -32,7 +32,7 @@ from hetdp.allocate.policy import AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
-from hetdp.runtime import wait_for
+from hetdp.runtime import peer_failures, wait_for
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.gradient_sum import GradientSum
@@ -308,7 +308,8 @@ class DistributedDataParallel(TorchDDP):
             if max_batch < 1:
                 raise ConfigError(f"max_batch must be >= 1 sample, got {max_batch}")
             caps: list[Any] = [None] * self.world_size
-            dist.all_gather_object(caps, max_batch, group=self._group)
+            with peer_failures("exchanging the ranks' max_batch", self.step_timeout_s, self._group):
+                dist.all_gather_object(caps, max_batch, group=self._group)
             return caps
         caps = list(max_batch)
         if len(caps) != self.world_size or any(cap is not None and cap < 1 for cap in caps):
@@ -369,10 +370,12 @@ class DistributedDataParallel(TorchDDP):
             self.clock.start(step.ticket.step, step.ticket.work)
         if step is not None and torch.is_grad_enabled():
             self.clock.forwards += 1
-        if step is not None and step.ticket.samples == 0 and self.module.training:
-            with _evaluating(self.module):
-                return super().forward(*inputs, **kwargs)
-        return super().forward(*inputs, **kwargs)
+        stand_in = step is not None and step.ticket.samples == 0 and self.module.training
+        # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
+        broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
+                     if self.will_sync_module_buffers() else contextlib.nullcontext())
+        with broadcast, _evaluating(self.module) if stand_in else contextlib.nullcontext():
+            return super().forward(*inputs, **kwargs)
 
     def record_loss(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
         """Count a loss (the mean over ``samples``, default this step's) into the epoch report's ``loss``."""

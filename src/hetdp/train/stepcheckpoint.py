@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hetdp.errors import CheckpointError, ConfigError
+from hetdp.runtime import peer_failures
 from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
@@ -101,7 +102,9 @@ class Checkpointer:
         keeps the last ``KEEP`` checkpoints."""
         random_states: list[Any] | None = [None] * self.model.world_size if self.model.rank == 0 else None
         if self.model.world_size > 1:
-            dist.gather_object(random_state(), random_states, group=self.model.process_group, group_dst=0)
+            with peer_failures("gathering the random states to checkpoint", self.model.step_timeout_s,
+                               self.model.process_group):
+                dist.gather_object(random_state(), random_states, group=self.model.process_group, group_dst=0)
         elif random_states is not None:
             random_states[0] = random_state()
         if self.model.rank != 0:
@@ -132,7 +135,9 @@ class Checkpointer:
         """
         found = [load_newest(self.folder) if self.model.rank == 0 else None]
         if self.model.world_size > 1:
-            dist.broadcast_object_list(found, src=0, group=self.model.process_group)
+            with peer_failures("broadcasting the checkpoint to resume", self.model.step_timeout_s,
+                               self.model.process_group):
+                dist.broadcast_object_list(found, group=self.model.process_group, group_src=0)
         state = found[0]
         if state is None:
             return False

@@ -1,5 +1,9 @@
 """Worker for test_liveness.py: rank ``--victim`` stops (SIGSTOP) or sleeps in its own code at step ``--at`` of the
-drop-in; every other rank writes what it raised to ``--out/rank-R.json``."""
+drop-in; every other rank writes what it raised to ``--out/rank-R.json``.
+
+``--where`` picks the collective the survivors are left waiting in: the step's gradient allreduce, the forward's
+broadcast of BatchNorm buffers, or the random-state gather of a step checkpoint (the victim stops at the end of the
+step before, and the checkpoint is due at ``--at``)."""
 
 from __future__ import annotations
 
@@ -23,21 +27,31 @@ def main() -> None:
     parser.add_argument("--how", choices=("stop", "sleep"), required=True)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--at", type=int, default=3)
+    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint"), default="gradients")
     args = parser.parse_args()
     rank, _ = hetdp.init_distributed("gloo")
     data = TensorDataset(torch.randn(240, 4), torch.randint(0, 2, (240,)))
-    model = hetdp.DDP(nn.Linear(4, 2), "equal", step_timeout_s=3.0)
+    layers = [nn.BatchNorm1d(4)] if args.where == "buffers" else []
+    model = hetdp.DDP(nn.Sequential(*layers, nn.Linear(4, 2)), "equal", step_timeout_s=3.0)
     loader = model.allocate(DataLoader(data, batch_size=4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.where == "checkpoint":
+        model.checkpointer(args.out / "ckpt", optimizer, every=args.at)
+    hang_at = (args.at - 1, "after") if args.where == "checkpoint" else (args.at, "before")
+
+    def hang(step: int, when: str) -> None:
+        if (step, when) == hang_at and rank == args.victim:
+            if args.how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)
+
     try:
         for step, (x, y) in enumerate(loader):
-            if step == args.at and rank == args.victim:
-                if args.how == "stop":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                time.sleep(60)
+            hang(step, "before")
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+            hang(step, "after")
     except hetdp.PeerTimeoutError as error:
         outcome = {"rank": error.rank, "message": str(error)}
         (args.out / f"rank-{rank}.json").write_text(json.dumps(outcome))
