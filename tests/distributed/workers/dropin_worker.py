@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hetdp
+from hetdp.allocate.policy import Allocator
 
 FEATURES = 6
 
@@ -67,6 +68,19 @@ def train(model: hetdp.DDP, loader, optimizer, epochs: int, *, clip: float | Non
 
 def loader_for(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=3), num_workers=workers)
+
+
+def record_replan_windows(allocator: Allocator) -> list[int]:
+    """The steps each re-plan of ``allocator`` is offered, in order (filled as the run goes)."""
+    windows: list[int] = []
+    replan = allocator.replan
+
+    def recorded() -> list[int] | None:
+        windows.append(allocator.measured)
+        return replan()
+
+    allocator.replan = recorded
+    return windows
 
 
 def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
@@ -123,6 +137,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         for sync in (hetdp.Partial(mode="majority", sync_every=5), "solo", "local:3"):
             model = hetdp.DDP(make_model(), "adaptive", sync, emulation=straggling)
             loader = model.allocate(loader_for(Pairs(320), batch_size=8))
+            windows = record_replan_windows(model.allocator)
             train(model, loader, make_optimizer(model, "adamw"), 3)
             flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(model.world_size)]
@@ -130,7 +145,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
             result[model.sync.describe()] = {
                 "gap": max(float((g - flat).abs().max()) for g in gathered),
                 "samples": [r.samples for r in model.epoch_reports], "shares": model.shares,
-                "replans": model.allocator.replans, "dataset": len(loader.dataset)}
+                "replans": model.allocator.replans, "dataset": len(loader.dataset), "windows": windows}
             model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"
