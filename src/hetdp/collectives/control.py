@@ -15,13 +15,14 @@ live in ``protocol.py``; here they become store operations:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from hetdp.collectives.protocol import Mode, fires, initiator
+from hetdp.collectives.protocol import GRACE_HISTORY, Mode, fires, grace_s, initiator
 from hetdp.errors import PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ GO, FLUSH, LAST, FAIL = b"go", b"flush", b"last", b"fail"
 
 POLL_S = 0.05
 """How often a waiting thread looks for a failure reported by another rank."""
+GRACE_POLL_S = 0.0005
+"""How often a majority initiator in its grace looks at the arrivals."""
 ROLL_CALL_S = 2.0
 """How long past the round's deadline a rank that hit a failure waits for the others to answer its roll call;
 the silent ones are named."""
@@ -49,11 +52,12 @@ class RoundControl:
         mode, required, seed: the partial-allreduce settings (``required``: the quorum size, or the world size).
         rank, ranks: this rank in the group, and the default-group rank of every group rank (for messages).
         round_s: the round deadline, quoted in error messages.
+        grace: majority mode: the part of its recent step an initiator waits for the others (``protocol.grace_s``).
     """
 
     def __init__(
         self, store: dist.Store, *, mode: Mode, required: int, seed: int, rank: int, ranks: Sequence[int],
-        round_s: float,
+        round_s: float, grace: float = 0.0,
     ) -> None:
         self._store = store
         self.mode = mode
@@ -65,18 +69,27 @@ class RoundControl:
         self.round_s = round_s
         self.generation = 0
         """Flushes this rank completed: the ranks in flush/G are those waiting in the next one."""
+        self.grace = grace
+        self._arrived_at: float | None = None
+        self._steps: collections.deque[float] = collections.deque(maxlen=GRACE_HISTORY)
+        """This rank's recent times between two arrivals: its steps, what its grace is a part of."""
 
     # --- the caller's thread ---------------------------------------------------------------------------------
 
     def arrive(self, round_index: int) -> None:
         """Announce this rank's arrival at ``round_index`` and fire the round if the mode says it may."""
         key = f"act/{round_index}"
+        now = time.monotonic()
+        if self._arrived_at is not None:
+            self._steps.append(now - self._arrived_at)
+        self._arrived_at = now
         if self.mode == "solo":
             self._store.compare_set(key, "", GO)
             return
         if self.mode == "majority":
             leader = initiator(self.seed, round_index, self.world_size)
             if leader == self.rank:
+                self._wait_for_the_others(round_index, until=now + grace_s(self._steps, self.grace))
                 self._store.compare_set(key, "", GO)
                 return
             # Count first, then look at the initiator: a flushing initiator does the reverse, so one of us sees
@@ -90,6 +103,11 @@ class RoundControl:
         flushing = 0 if arrivals >= self.required else self.flushing_count()
         if fires(self.mode, self.required, arrivals=arrivals, flushing=flushing):
             self._store.compare_set(key, "", GO)
+
+    def _wait_for_the_others(self, round_index: int, until: float) -> None:
+        """Majority initiator: until ``until``, or until every other rank arrived (a flushing one never will)."""
+        while time.monotonic() < until and int(self._store.add(f"arr/{round_index}", 0)) < self.world_size - 1:
+            time.sleep(GRACE_POLL_S)
 
     def flush_and_fire(self, next_round: int, verdict: bytes) -> int:
         """Announce that this rank is flushing; fire rounds its absence would block; the last one in ends the flush.

@@ -7,8 +7,10 @@ over a c10d Store and a gloo group; everything here is tested in one process.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +34,23 @@ def initiator(seed: int, round_index: int, world_size: int) -> int:
     seed (``Emulation``'s stragglers, say) does not get initiators equal to them.
     """
     return int(np.random.default_rng([INITIATOR_STREAM, seed, round_index]).integers(world_size))
+
+
+GRACE = 0.05
+"""Majority mode: the part of its recent step an initiator waits for the ranks still out (see ``grace_s``)."""
+GRACE_HISTORY = 9
+"""Steps of an initiator's own history its grace is measured on (their median: a meeting's long step is ignored)."""
+
+
+def grace_s(step_intervals: Sequence[float], grace: float) -> float:
+    """How long a majority round's initiator waits, once it arrived, for the ranks still out, in seconds.
+
+    The paper fires at once, so a rank a millisecond behind the initiator (not a straggler, only jitter) sends its
+    gradient a round late, stale: with the ranks' times equalized by allocation that is about half of every round.
+    Waiting ``grace`` of the initiator's median recent step (the time between its calls) lets them in fresh, while a
+    real straggler, late by a good part of a step, is still not waited for. No history yet: no wait.
+    """
+    return grace * statistics.median(step_intervals) if step_intervals and grace > 0 else 0.0
 
 
 def fires(mode: Mode, required: int, *, arrivals: int, flushing: int = 0, initiator_in: bool = False) -> bool:

@@ -12,7 +12,9 @@ in the next round. Local steps do not communicate. Partial and local runs meet
 every K steps for ``local:K``, every ``MEETING_WINDOW`` steps or more while an
 adaptive allocation is still settling, and at the end. Adaptive allocation runs
 the drop-in's own ``Allocator`` on the simulated compute times, so it re-plans
-at the same steps, to the same shares.
+at the same steps, to the same shares (at a meeting, only on ``MEETING_WINDOW``
+measured steps or more, as the drop-in). A majority initiator's grace
+(``hetdp.Partial.grace``) is not simulated: the round fires at its arrival.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ALLOCATIONS: tuple[str, ...] = ("equal", "static", "adaptive")
 SYNCS: tuple[str, ...] = ("allreduce", "solo", "majority", "quorum", "local")
 MEETING_WINDOW = 10
 """As the drop-in's: under partial and local synchronization, an unsettled adaptive allocation meets to re-plan
-every this many steps or more."""
+every this many steps or more, and re-plans on no fewer measured steps."""
 
 
 @dataclass(frozen=True)
@@ -172,12 +174,13 @@ class _Run:
         self.clock_s += seconds
         self.collective_s += self.world_size * seconds
 
-    def plan(self) -> None:
-        """Record the steps since the last gather, as the drop-in does, and re-plan if the allocator is due."""
+    def plan(self, window_min: int = 0) -> None:
+        """Record the steps since the last gather, as the drop-in does, and re-plan if the allocator is due, on at
+        least ``window_min`` measured steps (fewer carry over to the next plan)."""
         for seconds in self._pending:
             self.allocator.measure(seconds.tolist())
         self._pending = []
-        if self.allocator.due():
+        if self.allocator.due() and not 0 < self.allocator.measured < window_min:
             self.allocator.replan()
 
     def gather_due(self) -> bool:
@@ -324,4 +327,4 @@ def _meet(run: _Run, ends: np.ndarray) -> None:
         run.rounds += 1
         run.last_round_end_s = run.clock_s
     run.collective(run.costs.average_s)
-    run.plan()
+    run.plan(window_min=MEETING_WINDOW)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from hetdp.collectives.partial import PartialConfig
-from hetdp.collectives.protocol import MODES, Mode
+from hetdp.collectives.protocol import GRACE, MODES, Mode
 from hetdp.errors import ConfigError
 from hetdp.runtime import Timeouts
 
@@ -49,6 +49,10 @@ class Partial:
     """Steps between meetings (parameter averaging); 0: only at each epoch's end."""
     seed: int = 0
     """Seed of the majority initiators; every rank must use the same."""
+    grace: float = GRACE
+    """Majority mode: the part of its recent step an initiator waits for the ranks still out (``protocol.grace_s``;
+    0: the paper's rule, at once). With allocation equalizing the ranks' times, many arrive just after the
+    initiator: the grace lets them in fresh, and a real straggler is still not waited for."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Deadlines of the partial allreduce (see ``PartialConfig.timeouts``)."""
 
@@ -58,7 +62,8 @@ class Partial:
             raise ConfigError(f"sync_every must be an integer >= 0 steps (0: per epoch), got {self.sync_every!r}")
 
     def partial_config(self) -> PartialConfig:
-        return PartialConfig(mode=self.mode, quorum=self.quorum, seed=self.seed, timeouts=self.timeouts)
+        return PartialConfig(mode=self.mode, quorum=self.quorum, seed=self.seed, grace=self.grace,
+                             timeouts=self.timeouts)
 
     def describe(self) -> str:
         return f"quorum:{self.quorum}" if self.mode == "quorum" else self.mode

@@ -11,7 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.collectives.protocol import RoundBook, fires, initiator
+from hetdp.collectives.partial import PartialConfig
+from hetdp.collectives.protocol import GRACE, RoundBook, fires, grace_s, initiator
+from hetdp.errors import ConfigError
+from hetdp.sync.policy import Partial
 
 
 def test_initiator_is_a_pure_function_of_seed_and_round():
@@ -118,3 +121,26 @@ def test_a_waiting_caller_wakes_when_its_round_completes_and_on_errors():
     threading.Timer(0.05, lambda: book.fail(RuntimeError("peer gone"))).start()
     with pytest.raises(RuntimeError, match="peer gone"):
         book.wait_collect(1, timeout_s=5.0)
+
+
+def test_a_grace_is_a_part_of_the_median_recent_step():
+    assert grace_s([], 0.5) == 0.0  # no step measured yet: fire at once
+    assert grace_s([0.1, 0.1, 0.1], 0.0) == 0.0  # the paper's rule
+    assert grace_s([0.1, 0.1, 2.0], 0.05) == pytest.approx(0.005)  # a meeting's long step moves nothing
+
+
+@given(st.lists(st.floats(1e-4, 10.0), min_size=1, max_size=9), st.floats(0.0, 0.99))
+def test_a_grace_never_exceeds_its_part_of_the_longest_step(steps, grace):
+    assert 0.0 <= grace_s(steps, grace) <= grace * max(steps) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("grace", [-0.1, 1.0, True, "0.1"])
+def test_a_grace_outside_a_step_is_one_clear_error(grace):
+    with pytest.raises(ConfigError, match="grace"):
+        PartialConfig(grace=grace)
+
+
+def test_the_drop_ins_majority_waits_its_grace_and_the_papers_collective_does_not():
+    assert PartialConfig().grace == 0.0
+    assert Partial().partial_config().grace == GRACE > 0
+    assert Partial(grace=0.0).partial_config().grace == 0.0
