@@ -135,15 +135,18 @@ def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseExcep
 
 
 @contextlib.contextmanager
-def peer_failures(what: str, timeout_s: float, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Turn a peer's failure inside the block's collectives over ``group`` into a PeerTimeoutError naming it; for
-    the synchronous ones (object collectives), which take no deadline of their own but ``group``'s."""
+def peer_failures(what: str, timeout_s: float, group: dist.ProcessGroup | None = None, *,
+                  rank: int | None = None) -> Iterator[None]:
+    """Turn a peer's failure inside the block's collectives over ``group`` into a PeerTimeoutError naming it, as
+    seen from ``rank`` (default: this process's rank in the default group); also for the synchronous collectives
+    (object collectives), which take no deadline of their own but ``group``'s."""
     try:
         yield
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else None
+        if rank is None and dist.is_initialized():
+            rank = dist.get_rank()
         raise peer_failure(rank, what, timeout_s, error, group) from error
 
 

@@ -80,9 +80,10 @@ class RoundControl:
         """Announce this rank's arrival at ``round_index`` and fire the round if the mode says it may."""
         key = f"act/{round_index}"
         now = time.monotonic()
-        if self._arrived_at is not None:
-            self._steps.append(now - self._arrived_at)
-        self._arrived_at = now
+        if self.mode == "majority" and self.grace > 0:  # the only rule that needs this rank's steps
+            if self._arrived_at is not None:
+                self._steps.append(now - self._arrived_at)
+            self._arrived_at = now
         if self.mode == "solo":
             self._store.compare_set(key, "", GO)
             return

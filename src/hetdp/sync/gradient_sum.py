@@ -6,13 +6,14 @@ hook calls it per bucket, and every convenience trainer runs through the drop-in
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
 from hetdp.collectives import doubling
-from hetdp.runtime import is_peer_failure, peer_failure
+from hetdp.runtime import peer_failures
 from hetdp.sync.base import Synchronizer
 
 
@@ -52,21 +53,16 @@ class GradientSum(Synchronizer):
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
             return work.get_future().then(self._unwrap)
         self.rounds += 1
-        try:
+        with self._peer_failures():
             doubling.allreduce(self.group, buffer, self.rank, self.world_size, self.rounds,
                                time.monotonic() + self.timeout_s)
-        except RuntimeError as error:
-            if not is_peer_failure(error):
-                raise
-            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error, self.group) from error
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
 
     def _unwrap(self, future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        try:
+        with self._peer_failures():
             return future.value()[0]
-        except RuntimeError as error:
-            if not is_peer_failure(error):
-                raise
-            raise peer_failure(self.rank, "the gradient allreduce", self.timeout_s, error, self.group) from error
+
+    def _peer_failures(self) -> contextlib.AbstractContextManager[None]:
+        return peer_failures("the gradient allreduce", self.timeout_s, self.group, rank=self.rank)

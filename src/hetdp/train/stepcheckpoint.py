@@ -101,12 +101,9 @@ class Checkpointer:
         """Write the state now (collective: rank 0 gathers the random states and writes, the others return None);
         keeps the last ``KEEP`` checkpoints."""
         random_states: list[Any] | None = [None] * self.model.world_size if self.model.rank == 0 else None
-        if self.model.world_size > 1:
-            with peer_failures("gathering the random states to checkpoint", self.model.step_timeout_s,
-                               self.model.process_group):
-                dist.gather_object(random_state(), random_states, group=self.model.process_group, group_dst=0)
-        elif random_states is not None:
-            random_states[0] = random_state()
+        with peer_failures("gathering the random states to checkpoint", self.model.step_timeout_s,
+                           self.model.process_group):
+            dist.gather_object(random_state(), random_states, group=self.model.process_group, group_dst=0)
         if self.model.rank != 0:
             return None
         state = {
