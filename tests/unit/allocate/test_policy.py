@@ -65,10 +65,19 @@ def test_timing_noise_of_two_step_windows_on_equal_devices_rarely_moves_the_shar
     assert replans.count(0) >= 0.75 * len(replans) and sum(replans) / len(replans) <= 0.4  # without the guard: 0 and 4.2
 
 
-def test_a_window_too_noisy_to_decide_on_grows_until_its_median_holds():
+def test_a_rank_a_random_straggler_delayed_in_most_steps_of_a_window_is_not_read_as_slow():
+    allocator = Allocator(Adaptive(replan_every=10), 2, 100)
+    # equal devices; six of rank 0's ten steps were delayed 20 ms (a median would read it as 3x slower)
+    delayed = [0.03, 0.01, 0.03, 0.03, 0.01, 0.03, 0.01, 0.03, 0.01, 0.03]
+    assert allocator.observe([delayed, [0.01] * 10]) is None and allocator.shares == [50, 50]
+    # a rank slowed down in every step is
+    assert allocator.observe([[0.03] * 10, [0.01] * 10]) == [25, 75]
+
+
+def test_a_window_too_noisy_to_decide_on_grows_until_its_typical_time_holds():
     allocator = Allocator(Adaptive(replan_every=2), 2, 100)
     # rank 0 is twice as slow, but one of its two steps was delayed: the two-step window says nothing yet
     allocator.observe([[0.10, 0.50], [0.05, 0.05]])
     assert allocator.shares == [50, 50] and allocator.window() == 4 and allocator.measured == 2
-    shares = allocator.observe([[0.10, 0.10], [0.05, 0.05]])  # four steps: the median ignores the delayed one
+    shares = allocator.observe([[0.10, 0.10], [0.05, 0.05]])  # four steps: the low quantile ignores the delayed one
     assert shares == [33, 67] and allocator.measured == 0
