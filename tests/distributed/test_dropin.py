@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.train.ddp import MEETING_WINDOW
+from hetdp.allocate.policy import MEETING_WINDOW
 from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))

@@ -27,6 +27,10 @@ NOISY = 0.1
 """A window whose mean step time is known no better than this (relative standard error) waits for more steps."""
 MAX_WINDOW = 16
 """The longest a noisy window grows, in steps."""
+MEETING_WINDOW = 10
+"""Under partial and local synchronization, where a gather of step times rides a meeting that waits for the slowest
+rank, an unsettled adaptive allocation meets to re-plan every this many steps or more, and re-plans on no fewer
+measured steps (the drop-in's rule, which the simulator mirrors)."""
 TYPICAL_QUANTILE = 0.25
 """The quantile of a rank's per-step compute times that stands for its speed. A delay (a random straggler, a pause)
 only ever lengthens a step, so a low quantile reads through up to three delayed steps in four, where the median

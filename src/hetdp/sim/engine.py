@@ -25,15 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetdp.allocate.policy import Adaptive, Allocator, Equal, Static
+from hetdp.allocate.policy import MEETING_WINDOW, Adaptive, Allocator, Equal, Static
 from hetdp.collectives.protocol import initiator
 from hetdp.errors import ConfigError
 
 ALLOCATIONS: tuple[str, ...] = ("equal", "static", "adaptive")
 SYNCS: tuple[str, ...] = ("allreduce", "solo", "majority", "quorum", "local")
-MEETING_WINDOW = 10
-"""As the drop-in's: under partial and local synchronization, an unsettled adaptive allocation meets to re-plan
-every this many steps or more, and re-plans on no fewer measured steps."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.pack import CostBalance
-from hetdp.allocate.policy import AllocationPolicy, Allocator, allocation_policy
+from hetdp.allocate.policy import MEETING_WINDOW, AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
@@ -45,8 +45,6 @@ from hetdp.train.stepcheckpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
-MEETING_WINDOW = 10
-"""Under partial and local synchronization, the fewest steps between the meetings an unsettled allocation asks for."""
 HISTORY_STEPS = 10_000
 """Per-step figures kept in ``step_figures`` (the oldest are dropped; a metrics file keeps them all)."""
 
@@ -458,7 +456,7 @@ class DistributedDataParallel(TorchDDP):
     def _planning_meeting_due(self) -> bool:
         """Partial and local synchronization: until the shares are stable, the ranks also meet to re-plan, every
         ``MEETING_WINDOW`` steps or more (a meeting waits for the slowest rank, and a window that short still has
-        robust medians under random stragglers); once stable, re-plans ride the synchronization's own meetings."""
+        robust statistics under random stragglers); once stable, re-plans ride the synchronization's own meetings."""
         allocator = self.allocator
         if allocator is None or allocator.stable:
             return False
@@ -467,7 +465,7 @@ class DistributedDataParallel(TorchDDP):
 
     def _window_too_short(self, allocator: Allocator) -> bool:
         """Partial and local synchronization: a meeting soon after the last (at an epoch's end) holds fewer steps than
-        ``MEETING_WINDOW``, too few for robust medians under random stragglers (two steps that delayed the same rank
+        ``MEETING_WINDOW``, too few for robust statistics under random stragglers (two steps that delayed the same rank
         read as a slow device); they count towards the next meeting's re-plan instead."""
         return not self.synchronizer.meets_every_step and 0 < allocator.measured < MEETING_WINDOW
 
