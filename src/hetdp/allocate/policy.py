@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.planner import plan
@@ -166,15 +168,6 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
     )
 
 
-def _typical(times: Sequence[float]) -> float:
-    """A rank's typical step time: the ``TYPICAL_QUANTILE`` of its times (interpolated; one time is itself)."""
-    ordered = sorted(times)
-    position = TYPICAL_QUANTILE * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
-
-
 def _spread(times: Sequence[float], median: float) -> float:
     """A robust standard deviation: 1.4826 x the median absolute deviation, or for two values their own."""
     if len(times) == 2:
@@ -274,13 +267,15 @@ class Allocator:
         if self.adaptive is not None:
             self._window.append(list(compute_s))
 
-    def due(self, epoch_end: bool = False) -> bool:
-        """Whether enough steps were measured to re-plan (at an epoch's end, any for a per-epoch policy)."""
+    def due(self, epoch_end: bool = False, min_steps: int = 0) -> bool:
+        """Whether enough steps were measured to re-plan (at an epoch's end, any for a per-epoch policy); fewer
+        than ``min_steps`` never are, and count towards the next re-plan."""
         window = self.window()
         if window is None:
             self._window = []
             return False
-        return bool(self._window) and (len(self._window) >= window if window > 0 else epoch_end)
+        measured = len(self._window)
+        return measured >= max(min_steps, 1) and (measured >= window if window > 0 else epoch_end)
 
     def replan(self) -> list[int] | None:
         """Re-plan from the measured steps; return the new shares if they changed.
@@ -296,7 +291,7 @@ class Allocator:
             return None
         compute_s = [list(column) for column in zip(*self._window)]  # ranks x steps
         steps = len(self._window)
-        typical = [_typical(times) for times in compute_s]
+        typical = [float(np.quantile(times, TYPICAL_QUANTILE)) for times in compute_s]
         step_cv = None
         if steps > 1:
             spreads = [_spread(times, statistics.median(times)) / value for times, value in zip(compute_s, typical)]

@@ -177,7 +177,7 @@ class _Run:
         for seconds in self._pending:
             self.allocator.measure(seconds.tolist())
         self._pending = []
-        if self.allocator.due() and not 0 < self.allocator.measured < window_min:
+        if self.allocator.due(min_steps=window_min):
             self.allocator.replan()
 
     def gather_due(self) -> bool:

@@ -463,12 +463,6 @@ class DistributedDataParallel(TorchDDP):
         window = allocator.window()
         return bool(window) and self._since_meeting >= max(window, MEETING_WINDOW)
 
-    def _window_too_short(self, allocator: Allocator) -> bool:
-        """Partial and local synchronization: a meeting soon after the last (at an epoch's end) holds fewer steps than
-        ``MEETING_WINDOW``, too few for robust statistics under random stragglers (two steps that delayed the same rank
-        read as a slow device); they count towards the next meeting's re-plan instead."""
-        return not self.synchronizer.meets_every_step and 0 < allocator.measured < MEETING_WINDOW
-
     def _current_shares(self) -> list[int]:
         return self.allocator.shares if self.allocator is not None else []
 
@@ -516,7 +510,10 @@ class DistributedDataParallel(TorchDDP):
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
         allocator = self.allocator
-        if allocator is None or not allocator.due(epoch_end) or self._window_too_short(allocator):
+        # Under partial and local synchronization a meeting soon after the last (at an epoch's end) holds too few
+        # steps for robust statistics under random stragglers: they count towards the next meeting's re-plan.
+        min_steps = 0 if self.synchronizer.meets_every_step else MEETING_WINDOW
+        if allocator is None or not allocator.due(epoch_end, min_steps):
             return
         shares = allocator.replan()
         if shares is None:
