@@ -24,9 +24,10 @@ def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minim
     """Self-adaptive rule: new share proportional to measured speed (share / seconds).
 
     Task-allocation paper, eq. 10: ``w_i <- C * (w_i / t_i) / sum_j (w_j / t_j)``,
-    rounded so the shares still sum to ``total`` (C), each the floor or ceiling of
-    its exact value, the leftover units placed where they lengthen the step least
-    (``apportion_min_max``; the paper only says it rounds). With ``caps``, no share
+    rounded so the shares still sum to ``total`` (C) with the shortest step any
+    integer shares allow (``apportion_min_max``; the paper only says it rounds,
+    and rounding each share to its floor or ceiling can cost a few percent of a
+    step, more than the gain a re-plan must show). With ``caps``, no share
     exceeds its cap and the others take the rest in proportion.
     """
     return apportion_min_max(measured_speeds(shares, seconds), total, minimum, caps=caps)

@@ -38,18 +38,27 @@ def test_a_heavier_weight_never_gets_less(weights, total):
                 assert shares[i] >= shares[j]
 
 
-@given(speeds=weights_strategy, extra=st.integers(min_value=0, max_value=5000), minimum=st.integers(0, 5))
-def test_min_max_rounding_keeps_quota_and_never_makes_the_slowest_rank_slower(quotas, speeds, extra, minimum):
+def slowest(shares, speeds):
+    return max(share / speed for share, speed in zip(shares, speeds))
+
+
+@given(speeds=st.lists(st.floats(min_value=0.05, max_value=50.0), min_size=1, max_size=6),
+       extra=st.integers(min_value=0, max_value=300), minimum=st.integers(0, 5))
+def test_min_max_rounding_gives_the_shortest_step_of_any_integer_shares(quotas, shortest_step, speeds, extra, minimum):
     total = minimum * len(speeds) + extra
     shares = apportion_min_max(speeds, total, minimum)
-    assert sum(shares) == total
+    assert sum(shares) == total and min(shares) >= minimum
+    assert slowest(shares, speeds) <= shortest_step(speeds, total, minimum) * (1 + 1e-9)
+    # from the floors up: the leftover units, fewer than the ranks, are all a share can exceed its quota by
     for share, quota in zip(shares, quotas(speeds, total, minimum)):
-        assert abs(share - quota) < 1 + 1e-6
+        assert quota - 1 - 1e-6 < share < quota + len(speeds)
+    assert slowest(shares, speeds) <= slowest(apportion(speeds, total, minimum), speeds) + 1e-12
 
-    def slowest(allocation):
-        return max(share / speed for share, speed in zip(allocation, speeds))
 
-    assert slowest(shares) <= slowest(apportion(speeds, total, minimum)) + 1e-12
+def test_min_max_rounding_may_give_one_rank_more_than_its_ceiling():
+    # quotas [10.5, 10.5, 178.9]: every floor-or-ceiling split takes 11 / 0.25 = 44, while [10, 10, 180] takes 42.4
+    shares = apportion_min_max([0.25, 0.25, 4.25], 200)
+    assert shares == [10, 10, 180]
 
 
 def test_min_max_rounding_gives_the_leftover_unit_to_the_rank_it_costs_least():
@@ -110,12 +119,20 @@ def capped_case(draw):
 @given(capped_case())
 def test_caps_bound_every_share_and_the_rest_stays_proportional(case):
     weights, total, minimum, caps = case
-    for rounding in (apportion, apportion_min_max):
-        shares = rounding(weights, total, minimum, caps=caps)
-        assert sum(shares) == total and min(shares) >= minimum
-        assert all(cap is None or share <= cap for share, cap in zip(shares, caps))
-        for share, quota in zip(shares, clipped_quotas(weights, total, minimum, caps)):
-            assert abs(share - quota) < 1 + 1e-6
+    shares = apportion(weights, total, minimum, caps=caps)
+    assert sum(shares) == total and min(shares) >= minimum
+    assert all(cap is None or share <= cap for share, cap in zip(shares, caps))
+    for share, quota in zip(shares, clipped_quotas(weights, total, minimum, caps)):
+        assert abs(share - quota) < 1 + 1e-6
+
+
+@given(capped_case())
+def test_capped_min_max_rounding_gives_the_shortest_step_within_the_caps(shortest_step, case):
+    weights, total, minimum, caps = case
+    shares = apportion_min_max(weights, total, minimum, caps=caps)
+    assert sum(shares) == total and min(shares) >= minimum
+    assert all(cap is None or share <= cap for share, cap in zip(shares, caps))
+    assert slowest(shares, weights) <= shortest_step(weights, total, minimum, caps) * (1 + 1e-9)
 
 
 def test_a_capped_rank_leaves_its_excess_to_the_others_in_proportion():
