@@ -33,7 +33,7 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,metrics")
+    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,background,metrics")
 
 
 def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
@@ -119,6 +119,17 @@ def test_partial_and_local_synchronization_meet_with_identical_replicas_and_cove
         assert figures["replans"] >= 1 and figures["shares"][3] > figures["shares"][0], (name, figures["shares"])
         # Re-plans ride meetings; one soon after the last (an epoch's end) waits: no plan from a straggler's 2 steps.
         assert figures["windows"] and min(figures["windows"]) >= MEETING_WINDOW, (name, figures["windows"])
+
+
+def test_adaptive_shares_under_local_averaging_re_plan_without_averaging_the_replicas(out):
+    results = load(out, "background")
+    figures = results[0]
+    # Plans come from gathers in the background: the replicas, equal at the start, were not averaged (made equal
+    # again) before the epoch's end ...
+    assert figures["identical_steps"] == [0], figures["identical_steps"]
+    # ... and yet the shares moved, and every rank cut every step by the same ones (a prefetching loader too).
+    assert figures["replans"] >= 1 and figures["shares"][3] > figures["shares"][0], figures["shares"]
+    assert len(figures["blocks"]) == figures["steps"] and all(sum(block) == 32 for block in figures["blocks"])
 
 
 def test_metrics_are_written_for_every_step_and_rank(out):

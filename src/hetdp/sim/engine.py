@@ -10,11 +10,14 @@ rounds run since its last call returns at once and its gradient travels, stale,
 in the next round. Local steps do not communicate. Partial and local runs meet
 (flush the rounds in flight, average the parameters) when the drop-in meets:
 every K steps for ``local:K``, every ``MEETING_WINDOW`` steps or more while an
-adaptive allocation is still settling, and at the end. Adaptive allocation runs
-the drop-in's own ``Allocator`` on the simulated compute times, so it re-plans
-at the same steps, to the same shares (at a meeting, only on ``MEETING_WINDOW``
-measured steps or more, as the drop-in). A majority initiator's grace
-(``hetdp.Partial.grace``) is not simulated: the round fires at its arrival.
+adaptive allocation over a partial allreduce is still settling, and at the end.
+Adaptive allocation runs the drop-in's own ``Allocator`` on the simulated
+compute times, so it re-plans at the same steps, to the same shares: on
+``MEETING_WINDOW`` measured steps or more, at a meeting (partial) or from a
+gather in the background whose plan applies ``PLAN_LAG`` steps later (local).
+Not simulated: a majority initiator's grace (``hetdp.Partial.grace``; the round
+fires at its arrival), and a local rank's wait for that gather (the last rank is
+rarely ``PLAN_LAG`` steps behind).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetdp.allocate.policy import MEETING_WINDOW, Adaptive, Allocator, Equal, Static
+from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG, Adaptive, Allocator, Equal, Static
 from hetdp.collectives.protocol import initiator
 from hetdp.errors import ConfigError
 
@@ -154,16 +157,29 @@ class _Run:
         self.last_round_end_s = 0.0
         self.fresh = 0
         self.contributions = 0
-        self._pending: list[np.ndarray] = []
+        self.schedule: list[tuple[int, list[int]]] = [(0, list(self.allocator.shares))]
+        """(first step, shares from it on), as the drop-in's: a plan applies from a step after the one it was made."""
+        self._pending: list[tuple[np.ndarray, list[int]]] = []
+        """Each step since the last gather: every rank's compute seconds and the shares they computed."""
 
-    @property
-    def shares(self) -> np.ndarray:
-        return np.asarray(self.allocator.shares, dtype=float)
+    def shares_at(self, step: int) -> list[int]:
+        return next(shares for first, shares in reversed(self.schedule) if first <= step)
 
     def compute(self, step: int) -> np.ndarray:
-        seconds = np.asarray(self.costs.compute_s(step, self.shares), dtype=float)
+        shares = self.shares_at(step)
+        seconds = np.asarray(self.costs.compute_s(step, np.asarray(shares, dtype=float)), dtype=float)
         self.busy_s += float(seconds.sum()) + self.world_size * self.costs.loop_s
-        self._pending.append(seconds)
+        self._pending.append((seconds, shares))
+        return seconds
+
+    def compute_steps(self, first: int, end: int) -> list[np.ndarray]:
+        """Every rank's compute seconds for steps ``first`` to ``end`` of partial or local synchronization; local
+        ones plan from gathers in the background: one begun after step k gives a plan from step k + 1 + ``PLAN_LAG``."""
+        seconds = []
+        for step in range(first, end):
+            seconds.append(self.compute(step))
+            if not self.strategy.partial and self.gather_due(window_min=MEETING_WINDOW):
+                self.plan(step + 1 + PLAN_LAG, window_min=MEETING_WINDOW)
         return seconds
 
     def collective(self, seconds: float) -> None:
@@ -171,18 +187,24 @@ class _Run:
         self.clock_s += seconds
         self.collective_s += self.world_size * seconds
 
-    def plan(self, window_min: int = 0) -> None:
-        """Record the steps since the last gather, as the drop-in does, and re-plan if the allocator is due, on at
-        least ``window_min`` measured steps (fewer carry over to the next plan)."""
-        for seconds in self._pending:
-            self.allocator.measure(seconds.tolist())
+    def plan(self, first: int, window_min: int = 0) -> None:
+        """Record the steps since the last gather, as the drop-in does (those at the current shares), and re-plan
+        from ``first`` on if the allocator is due, on at least ``window_min`` measured steps (fewer carry over)."""
+        current = self.allocator.shares
+        for seconds, shares in self._pending:
+            if shares == current:
+                self.allocator.measure(seconds.tolist())
         self._pending = []
         if self.allocator.due(min_steps=window_min):
-            self.allocator.replan()
+            shares = self.allocator.replan()
+            if shares is not None:
+                self.schedule.append((first, shares))
 
-    def gather_due(self) -> bool:
+    def gather_due(self, window_min: int = 0) -> bool:
         window = self.allocator.window()
-        return bool(window) and self.allocator.measured + len(self._pending) >= window
+        current = self.allocator.shares
+        measured = self.allocator.measured + sum(1 for _, shares in self._pending if shares == current)
+        return bool(window) and measured >= max(window, window_min)
 
     def next_meeting(self, step: int, steps: int) -> int:
         """The step after which partial or local ranks next meet (decided from step counts alone, as every rank
@@ -190,7 +212,7 @@ class _Run:
         every = self.strategy.k if self.strategy.sync == "local" else 0
         end = min(step + every, steps) if every else steps
         window = self.allocator.window()
-        if window and not self.allocator.stable:
+        if self.strategy.partial and window and not self.allocator.stable:
             end = min(end, step + max(window, MEETING_WINDOW))
         return end
 
@@ -227,7 +249,7 @@ def simulate_strategy(strategy: Strategy, costs: LoopCosts, *, world_size: int, 
             end = run.next_meeting(step, steps)
             starts = np.full(world_size, run.clock_s)
             ends = _partial_steps(run, step, end, starts) if strategy.partial else _local_steps(run, step, end, starts)
-            _meet(run, ends)
+            _meet(run, ends, end)
             step = end
     return run.result(steps, global_batch)
 
@@ -240,15 +262,15 @@ def _synchronous(run: _Run, steps: int) -> None:
         run.collective(run.costs.allreduce_s)
         if run.gather_due():
             run.collective(run.costs.gather_s)
-            run.plan()
+            run.plan(step + 1)
     run.collective(run.costs.gather_s)  # the figures of the epoch's end
 
 
 def _local_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.ndarray:
     """Steps ``first`` to ``end`` without communication: each rank's own time; returns when each one is done."""
     ends = starts.copy()
-    for step in range(first, end):
-        ends += run.costs.loop_s + run.compute(step)
+    for seconds in run.compute_steps(first, end):
+        ends += run.costs.loop_s + seconds
     return ends
 
 
@@ -257,7 +279,7 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
     docstring); returns when each rank, done with its steps, starts to flush."""
     n, costs, mode = run.world_size, run.costs, run.strategy.sync
     required = run.strategy.k or (n + 1) // 2
-    compute = [run.compute(step) for step in range(first, end)]
+    compute = run.compute_steps(first, end)
     consumed = np.full(n, run.rounds)  # rounds handed to each rank's caller so far
     next_step = np.zeros(n, dtype=int)  # index into compute of each rank's next step
     ends = np.zeros(n)
@@ -314,7 +336,7 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
     return ends
 
 
-def _meet(run: _Run, ends: np.ndarray) -> None:
+def _meet(run: _Run, ends: np.ndarray, step: int) -> None:
     """The ranks meet once the last one is done: a flushing round (partial), parameter averaging, the gather of
     step times riding on it; an adaptive allocation re-plans."""
     run.clock_s = float(ends.max())
@@ -324,4 +346,4 @@ def _meet(run: _Run, ends: np.ndarray) -> None:
         run.rounds += 1
         run.last_round_end_s = run.clock_s
     run.collective(run.costs.average_s)
-    run.plan(window_min=MEETING_WINDOW)
+    run.plan(step, window_min=MEETING_WINDOW)

@@ -20,6 +20,10 @@ class Synchronizer(ABC):
 
     meets_every_step = False
     """Whether every step already synchronizes the ranks (then no meeting is ever due)."""
+    steps_wait_for_peers = False
+    """Whether a rank's step may wait for a given peer to arrive (a majority round for its initiator, a quorum round
+    for its k-th rank): a rank that stops between steps to wait for the others could then stall the very rank it waits
+    for, so the ranks gather only at meetings, which keep the rounds firing."""
     forward_sync_buffers = False
     """Whether DDP should broadcast rank 0's buffers before each forward: only where every step waits for every
     rank anyway; elsewhere it would make every rank wait for rank 0 at every step."""

@@ -75,6 +75,8 @@ class PartialGradients(Synchronizer):
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
     """
 
+    steps_wait_for_peers = True
+
     def __init__(
         self,
         like: torch.Tensor | int,

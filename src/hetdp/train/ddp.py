@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.pack import CostBalance
-from hetdp.allocate.policy import MEETING_WINDOW, AllocationPolicy, Allocator, allocation_policy
+from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG, AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
@@ -47,6 +47,21 @@ log = logging.getLogger(__name__)
 
 HISTORY_STEPS = 10_000
 """Per-step figures kept in ``step_figures`` (the oldest are dropped; a metrics file keeps them all)."""
+
+
+@dataclass
+class _PlanningGather:
+    """An all-gather of step figures in flight: started at one step, awaited ``PLAN_LAG`` steps later."""
+
+    work: dist.Work
+    rows: list[torch.Tensor]
+    pending: list[tuple[StepTicket, float, float]]
+    """This rank's steps whose figures it carries."""
+    await_after: int
+    """``steps_done`` from which ``end_step`` waits for it."""
+    guard: int
+    """The first step this rank's loader may not cut before the plan is known: the plan applies from the latest
+    rank's ``guard`` on, so no rank has cut a step whose shares the plan changes."""
 
 
 class _HookState:
@@ -239,6 +254,8 @@ class DistributedDataParallel(TorchDDP):
         self._pending: list[tuple[StepTicket, float, float]] = []
         """This rank's (step, compute s, wait s) since the last gather."""
         self._since_meeting = 0
+        self._planning: _PlanningGather | None = None
+        """Partial and local synchronization: the planning gather in flight, if any."""
         self._epoch: dict[str, Any] = {}
         self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
@@ -321,7 +338,9 @@ class DistributedDataParallel(TorchDDP):
         return list(self._schedule[-1][1]) if self._schedule else []
 
     def shares_at(self, step: int) -> list[int]:
-        """The shares of global step ``step``."""
+        """The shares of global step ``step`` (a step past a planning gather's guard waits for its plan)."""
+        if self._planning is not None and step >= self._planning.guard:
+            self._await_planning()
         for first, shares in reversed(self._schedule):
             if first <= step:
                 return list(shares)
@@ -402,8 +421,13 @@ class DistributedDataParallel(TorchDDP):
         if self.synchronizer.meets_every_step:
             if self._gather_due():
                 self._gather_and_plan()
-        elif self.synchronizer.due(self._since_meeting) or self._planning_meeting_due():
-            self._gather_and_plan(meet=True)
+        else:
+            if self._planning is not None and self.steps_done >= self._planning.await_after:
+                self._await_planning()
+            if self.synchronizer.due(self._since_meeting) or self._planning_meeting_due():
+                self._gather_and_plan(meet=True)
+            elif self._planning_gather_due():
+                self._start_planning()
         if self._checkpointer is not None:
             self._checkpointer.step_ended()
 
@@ -453,15 +477,51 @@ class DistributedDataParallel(TorchDDP):
                 return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
 
-    def _planning_meeting_due(self) -> bool:
-        """Partial and local synchronization: until the shares are stable, the ranks also meet to re-plan, every
-        ``MEETING_WINDOW`` steps or more (a meeting waits for the slowest rank, and a window that short still has
-        robust statistics under random stragglers); once stable, re-plans ride the synchronization's own meetings."""
+    def _plan_window_full(self) -> bool:
+        """Partial and local synchronization: whether ``MEETING_WINDOW`` steps or more were measured at the current
+        shares (a window that short still has robust statistics under random stragglers)."""
         allocator = self.allocator
-        if allocator is None or allocator.stable:
+        window = allocator.window() if allocator is not None else None
+        if not window:
+            return False
+        current = allocator.shares  # type: ignore[union-attr]
+        measured = allocator.measured + sum(1 for ticket, _, _ in self._pending if list(ticket.cut_by) == current)
+        return measured >= max(window, MEETING_WINDOW)
+
+    def _planning_meeting_due(self) -> bool:
+        """Partial synchronization: an unsettled adaptive allocation meets to re-plan every ``MEETING_WINDOW`` steps or
+        more (a meeting waits for the slowest rank, but its flush keeps the rounds firing while it does); once stable,
+        re-plans ride the synchronization's own meetings."""
+        allocator = self.allocator
+        if not self.synchronizer.steps_wait_for_peers or allocator is None or allocator.stable:
             return False
         window = allocator.window()
         return bool(window) and self._since_meeting >= max(window, MEETING_WINDOW)
+
+    def _planning_gather_due(self) -> bool:
+        """Local synchronization: an adaptive allocation gathers its step times in the background (``PLAN_LAG``) once
+        its window is full, while the shares settle and, once stable, while it watches for drift; parameters are
+        averaged only at the synchronization's own meetings."""
+        return not self.synchronizer.steps_wait_for_peers and self._planning is None and self._plan_window_full()
+
+    def _start_planning(self) -> None:
+        pending, self._pending = self._pending, []
+        row = self._figures_row(pending)
+        mine = torch.tensor(row, dtype=torch.float64, device=self.clock.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(rows, mine, group=self._group, async_op=True)
+        self._planning = _PlanningGather(work, rows, pending, await_after=self.steps_done + PLAN_LAG,
+                                         guard=int(row[0]) + PLAN_LAG)
+
+    def _await_planning(self) -> None:
+        """Wait for the planning gather in flight, record its figures and re-plan from them."""
+        planning, self._planning = self._planning, None
+        if planning is None:
+            return
+        wait_for(planning.work, "gathering step figures", self.step_timeout_s, self._group)
+        gathered = torch.stack(planning.rows).cpu()
+        self._record(gathered, planning.pending)
+        self._plan(int(gathered[:, 0].max().item()) + PLAN_LAG, epoch_end=False)
 
     def _current_shares(self) -> list[int]:
         return self.allocator.shares if self.allocator is not None else []
@@ -470,12 +530,22 @@ class DistributedDataParallel(TorchDDP):
                          ) -> torch.Tensor:
         """Bring every rank's figures since the last gather to all ranks (riding a meeting if one is due), record
         them, re-plan if the window is full; return the gathered ``totals`` (ranks x len(totals))."""
+        self._await_planning()
         pending, self._pending = self._pending, []
+        gathered = self._exchange([*self._figures_row(pending), *totals], meet)
+        self._record(gathered, pending)
+        self._plan(int(gathered[:, 0].max().item()), epoch_end)
+        return gathered[:, 1 + 3 * len(pending) :]
+
+    def _figures_row(self, pending: list[tuple[StepTicket, float, float]]) -> list[float]:
+        """What this rank gathers: the next step its loader cuts, then the compute, wait and samples of ``pending``."""
         loader = self._loader() if self._loader is not None else None
         horizon = loader.sampler.next_step if loader is not None else self.steps_done
-        row = [float(horizon), *(c for _, c, _ in pending), *(w for _, _, w in pending),
-               *(float(t.samples) for t, _, _ in pending), *totals]
-        gathered = self._exchange(row, meet)
+        return [float(horizon), *(c for _, c, _ in pending), *(w for _, _, w in pending),
+                *(float(t.samples) for t, _, _ in pending)]
+
+    def _record(self, gathered: torch.Tensor, pending: list[tuple[StepTicket, float, float]]) -> None:
+        """Keep the gathered figures of ``pending`` (every rank's, a row each) and measure the allocator on them."""
         width = len(pending)
         compute, wait = gathered[:, 1 : 1 + width], gathered[:, 1 + width : 1 + 2 * width]
         samples = gathered[:, 1 + 2 * width : 1 + 3 * width].round().long()
@@ -490,8 +560,6 @@ class DistributedDataParallel(TorchDDP):
             for i, (ticket, _, _) in enumerate(pending):
                 if list(ticket.cut_by) == current:
                     self.allocator.measure(compute[:, i].tolist())
-        self._plan(int(gathered[:, 0].max().item()), epoch_end)
-        return gathered[:, 1 + 3 * width :]
 
     def _exchange(self, row: list[float], meet: bool) -> torch.Tensor:
         """Every rank's ``row`` (equal lengths), as a ranks x len(row) float64 CPU tensor."""
@@ -541,6 +609,7 @@ class DistributedDataParallel(TorchDDP):
 
         ``position`` is (epoch, steps of it done): where the data order continues.
         """
+        self._await_planning()
         position = (self._epoch["epoch"], self.steps_done - self._epoch["first"]) if self._epoch else (
             self._next_epoch, 0)
         return {"allocator": None if self.allocator is None else self.allocator.state_dict(),
@@ -562,6 +631,7 @@ class DistributedDataParallel(TorchDDP):
                 log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
                             self.rank, saved_world, self.world_size)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
+        self._await_planning()
         self._pending = []
         self._since_meeting = 0
         self.resume_position = tuple(state["position"]) if state.get("position") is not None else (0, 0)
@@ -576,6 +646,7 @@ class DistributedDataParallel(TorchDDP):
         (idempotent). A gloo group left alive at interpreter exit can abort the process."""
         if self._group is None:
             return
+        self._await_planning()
         self._heartbeat.stop()
         self.synchronizer.close()
         if self._writer is not None:

@@ -147,6 +147,26 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
                 "samples": [r.samples for r in model.epoch_reports], "shares": model.shares,
                 "replans": model.allocator.replans, "dataset": len(loader.dataset), "windows": windows}
             model.close()
+    elif scenario == "background":
+        # Local averaging per epoch with adaptive shares, a prefetching loader: plans come from background gathers,
+        # so the replicas stay apart until the epoch's end, and every rank cuts every step by the same shares.
+        model = hetdp.DDP(make_model(), "adaptive", "local", emulation=emulation)
+        loader = model.allocate(loader_for(Pairs(1280), batch_size=8, workers=1))
+        optimizer = make_optimizer(model, "sgd")
+        checksums = []
+        for batch in loader:  # the parameters each step starts from: after the last step's meeting, if any
+            checksums.append(float(sum(p.detach().double().sum() for p in model.module.parameters())))
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+            optimizer.step()
+        mine = torch.tensor(checksums, dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(model.world_size)]
+        dist.all_gather(gathered, mine)
+        result = {"identical_steps": [step for step in range(len(checksums))
+                                      if all(torch.equal(g[step], mine[step]) for g in gathered)],
+                  "steps": len(checksums), "blocks": [f.shares for f in model.step_figures],
+                  "replans": model.allocator.replans, "shares": model.shares}
+        model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"
         model = hetdp.DDP(make_model(), hetdp.Static((1.0, 1.0, 2.0, 4.0)),
