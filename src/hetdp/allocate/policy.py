@@ -30,16 +30,14 @@ NOISY = 0.1
 MAX_WINDOW = 16
 """The longest a noisy window grows, in steps."""
 MEETING_WINDOW = 10
-"""Under partial and local synchronization, where ranks are not in step, an adaptive allocation re-plans on no fewer
-measured steps: under partial synchronization it meets for that (a meeting waits for the slowest rank) while it
-settles, under local synchronization it gathers in the background (``PLAN_LAG``). The drop-in's rule, which the
-simulator mirrors."""
+"""Under partial and local synchronization, where random stragglers put the ranks out of step, an adaptive
+allocation re-plans on no fewer measured steps (the drop-in's rule, which the simulator mirrors)."""
 PLAN_LAG = 2
-"""Local synchronization: steps a rank runs between handing its step times to a planning gather and waiting for
-everyone's. Local ranks are not in step, and a gather completes only once the last rank joins it; begun in the
-background and awaited this many steps later (the plan applies from then on), it has usually completed, where a
-blocking gather (a meeting) would make every rank wait for the one furthest behind. Partial synchronization cannot:
-a rank waiting between steps may hold up a round the laggard waits for (``Synchronizer.steps_wait_for_peers``)."""
+"""Partial and local synchronization: steps a rank runs between handing its step times to a planning gather and
+waiting for everyone's. The ranks there are not in step, and a gather completes only once the last rank joins it;
+begun in the background and awaited this many steps later (the plan applies from then on), it has usually completed,
+where a blocking gather (a meeting) would make every rank wait for the one furthest behind. A rank that does wait
+keeps the partial rounds firing meanwhile (``Synchronizer.standby``)."""
 TYPICAL_QUANTILE = 0.25
 """The quantile of a rank's per-step compute times that stands for its speed. A delay (a random straggler, a pause)
 only ever lengthens a step, so a low quantile reads through up to three delayed steps in four, where the median

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "256 ms, about the straggler's delay, so both kinds weigh alike; --quick 8)")
     parser.add_argument("--sync-every", type=int, default=0,
                         help="partial pairings: steps between meetings (parameter averaging; default 0: at each "
-                        "epoch's end; an unsettled adaptive allocation also meets to re-plan)")
+                        "epoch's end)")
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
     parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
 

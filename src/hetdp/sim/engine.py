@@ -9,15 +9,14 @@ solo round fires at its first arrival, a majority round at its initiator's
 rounds run since its last call returns at once and its gradient travels, stale,
 in the next round. Local steps do not communicate. Partial and local runs meet
 (flush the rounds in flight, average the parameters) when the drop-in meets:
-every K steps for ``local:K``, every ``MEETING_WINDOW`` steps or more while an
-adaptive allocation over a partial allreduce is still settling, and at the end.
-Adaptive allocation runs the drop-in's own ``Allocator`` on the simulated
-compute times, so it re-plans at the same steps, to the same shares: on
-``MEETING_WINDOW`` measured steps or more, at a meeting (partial) or from a
-gather in the background whose plan applies ``PLAN_LAG`` steps later (local).
-Not simulated: a majority initiator's grace (``hetdp.Partial.grace``; the round
-fires at its arrival), and a local rank's wait for that gather (the last rank is
-rarely ``PLAN_LAG`` steps behind).
+every K steps for ``local:K``, and at the end. Adaptive allocation runs the
+drop-in's own ``Allocator`` on the simulated compute times, so it re-plans at
+the same steps, to the same shares: under partial and local synchronization
+on ``MEETING_WINDOW`` measured steps or more, from a gather in the background
+whose plan applies ``PLAN_LAG`` steps later, as the drop-in's. Not simulated: a
+majority initiator's grace (``hetdp.Partial.grace``; the round fires at its
+arrival), and a rank's wait for that gather (the last rank is rarely
+``PLAN_LAG`` steps behind).
 """
 
 from __future__ import annotations
@@ -173,12 +172,12 @@ class _Run:
         return seconds
 
     def compute_steps(self, first: int, end: int) -> list[np.ndarray]:
-        """Every rank's compute seconds for steps ``first`` to ``end`` of partial or local synchronization; local
-        ones plan from gathers in the background: one begun after step k gives a plan from step k + 1 + ``PLAN_LAG``."""
+        """Every rank's compute seconds for steps ``first`` to ``end`` of partial or local synchronization, planning
+        from gathers in the background: one begun after step k gives a plan from step k + 1 + ``PLAN_LAG``."""
         seconds = []
         for step in range(first, end):
             seconds.append(self.compute(step))
-            if not self.strategy.partial and self.gather_due(window_min=MEETING_WINDOW):
+            if self.gather_due(window_min=MEETING_WINDOW):
                 self.plan(step + 1 + PLAN_LAG, window_min=MEETING_WINDOW)
         return seconds
 
@@ -210,11 +209,7 @@ class _Run:
         """The step after which partial or local ranks next meet (decided from step counts alone, as every rank
         decides it)."""
         every = self.strategy.k if self.strategy.sync == "local" else 0
-        end = min(step + every, steps) if every else steps
-        window = self.allocator.window()
-        if self.strategy.partial and window and not self.allocator.stable:
-            end = min(end, step + max(window, MEETING_WINDOW))
-        return end
+        return min(step + every, steps) if every else steps
 
     def result(self, steps: int, global_batch: int) -> SimulationResult:
         worker_s = self.world_size * self.clock_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,6 @@ class Synchronizer(ABC):
 
     meets_every_step = False
     """Whether every step already synchronizes the ranks (then no meeting is ever due)."""
-    steps_wait_for_peers = False
-    """Whether a rank's step may wait for a given peer to arrive (a majority round for its initiator, a quorum round
-    for its k-th rank): a rank that stops between steps to wait for the others could then stall the very rank it waits
-    for, so the ranks gather only at meetings, which keep the rounds firing."""
     forward_sync_buffers = False
     """Whether DDP should broadcast rank 0's buffers before each forward: only where every step waits for every
     rank anyway; elsewhere it would make every rank wait for rank 0 at every step."""
@@ -42,6 +39,11 @@ class Synchronizer(ABC):
     def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
         """Bring every rank to the same parameters (collective); ``carry`` (float64) rides along, summed."""
         return None
+
+    def standby(self, done: Callable[[], bool], timeout_s: float) -> float:
+        """Wait outside a step until ``done()`` (a collective the drop-in started in the background), at most
+        ``timeout_s`` seconds, without holding up the others' steps; return the seconds left."""
+        return timeout_s
 
     def close(self) -> None:
         """Release threads and groups; every rank calls it."""

@@ -9,6 +9,7 @@ their samples, as one synchronous step over the same samples would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialRe
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import average_parameters
 from hetdp.sync.base import Synchronizer
+
+STANDBY_PAUSE_S = 0.001
+"""Pause between a standby rank's empty contributions: it still fires its rounds promptly, without spinning."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,8 +79,6 @@ class PartialGradients(Synchronizer):
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
     """
 
-    steps_wait_for_peers = True
-
     def __init__(
         self,
         like: torch.Tensor | int,
@@ -100,14 +102,15 @@ class PartialGradients(Synchronizer):
             raise ConfigError(f"like must be a tensor or a positive element count, got {like!r}")
         payload = torch.zeros(numel + 1) if isinstance(like, int) else like.detach().new_zeros(numel + 1)
         self.numel = numel
+        self._nothing = payload.new_zeros(numel)
         self.partial = PartialAllreduce.from_config(payload, config, group)
         self.world_size = self.partial.world_size
         self.group = group
         self.sync_every = sync_every
         self.timeout_s = timeout_s
         self._buckets: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
-        self._carried: list[GradientRound] = []
-        """Rounds flushed at a meeting, applied with the next step's gradient."""
+        self.carried: list[GradientRound] = []
+        """Rounds received between steps (flushed at a meeting, or in ``standby``), applied with the next step."""
 
     # --- the partial allreduce of gradients ----------------------------------------------------------------
 
@@ -147,7 +150,7 @@ class PartialGradients(Synchronizer):
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
             flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
-            rounds, self._carried = self._carried + self.contribute(flat, samples), []
+            rounds, self.carried = self.carried + self.contribute(flat, samples), []
             gradient = combine(rounds, flat, total)
             offset = 0
             for buffer, future in buckets:
@@ -159,9 +162,20 @@ class PartialGradients(Synchronizer):
     def due(self, steps_since_meeting: int) -> bool:
         return self.sync_every > 0 and steps_since_meeting >= self.sync_every
 
+    def standby(self, done: Callable[[], bool], timeout_s: float) -> float:
+        """Keep the rounds firing until ``done()``: between steps, this rank joins each round with nothing (0
+        samples), so that a round waiting for it (majority: its initiator; quorum: its k-th rank) never holds up a
+        rank still at its steps, perhaps the very one ``done`` waits for. The rounds received are applied with the
+        next step, as a meeting's are; return the seconds left of ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            self.carried += self.contribute(self._nothing, 0.0)
+            time.sleep(STANDBY_PAUSE_S)
+        return max(deadline - time.monotonic(), 0.0)
+
     def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
         """Flush the rounds in flight (applied with the next step) and average the parameters equally."""
-        self._carried += self.flush()
+        self.carried += self.flush()
         return average_parameters(model, 1.0 / self.world_size, group=self.group, timeout_s=self.timeout_s,
                                   carry=carry)
 

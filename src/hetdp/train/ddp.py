@@ -424,7 +424,7 @@ class DistributedDataParallel(TorchDDP):
         else:
             if self._planning is not None and self.steps_done >= self._planning.await_after:
                 self._await_planning()
-            if self.synchronizer.due(self._since_meeting) or self._planning_meeting_due():
+            if self.synchronizer.due(self._since_meeting):
                 self._gather_and_plan(meet=True)
             elif self._planning_gather_due():
                 self._start_planning()
@@ -477,32 +477,18 @@ class DistributedDataParallel(TorchDDP):
                 return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
 
-    def _plan_window_full(self) -> bool:
-        """Partial and local synchronization: whether ``MEETING_WINDOW`` steps or more were measured at the current
-        shares (a window that short still has robust statistics under random stragglers)."""
+    def _planning_gather_due(self) -> bool:
+        """Partial and local synchronization: an adaptive allocation gathers its step times in the background
+        (``PLAN_LAG``) once ``MEETING_WINDOW`` steps or more were measured at the current shares (a window that short
+        still has robust statistics under random stragglers), while the shares settle and, once stable, while it
+        watches for drift; only the synchronization's own meetings make the ranks wait for each other."""
         allocator = self.allocator
-        window = allocator.window() if allocator is not None else None
+        window = allocator.window() if allocator is not None and self._planning is None else None
         if not window:
             return False
         current = allocator.shares  # type: ignore[union-attr]
         measured = allocator.measured + sum(1 for ticket, _, _ in self._pending if list(ticket.cut_by) == current)
         return measured >= max(window, MEETING_WINDOW)
-
-    def _planning_meeting_due(self) -> bool:
-        """Partial synchronization: an unsettled adaptive allocation meets to re-plan every ``MEETING_WINDOW`` steps or
-        more (a meeting waits for the slowest rank, but its flush keeps the rounds firing while it does); once stable,
-        re-plans ride the synchronization's own meetings."""
-        allocator = self.allocator
-        if not self.synchronizer.steps_wait_for_peers or allocator is None or allocator.stable:
-            return False
-        window = allocator.window()
-        return bool(window) and self._since_meeting >= max(window, MEETING_WINDOW)
-
-    def _planning_gather_due(self) -> bool:
-        """Local synchronization: an adaptive allocation gathers its step times in the background (``PLAN_LAG``) once
-        its window is full, while the shares settle and, once stable, while it watches for drift; parameters are
-        averaged only at the synchronization's own meetings."""
-        return not self.synchronizer.steps_wait_for_peers and self._planning is None and self._plan_window_full()
 
     def _start_planning(self) -> None:
         pending, self._pending = self._pending, []
@@ -518,7 +504,8 @@ class DistributedDataParallel(TorchDDP):
         planning, self._planning = self._planning, None
         if planning is None:
             return
-        wait_for(planning.work, "gathering step figures", self.step_timeout_s, self._group)
+        left = self.synchronizer.standby(planning.work.is_completed, self.step_timeout_s)
+        wait_for(planning.work, "gathering step figures", max(left, 1.0), self._group)
         gathered = torch.stack(planning.rows).cpu()
         self._record(gathered, planning.pending)
         self._plan(int(gathered[:, 0].max().item()) + PLAN_LAG, epoch_end=False)

@@ -1,0 +1,55 @@
+"""Worker for tests/distributed/test_standby.py: ranks waiting between steps keep a partial allreduce's rounds firing.
+
+Ranks 0..N-2 wait for an all-gather that the last rank joins only after it contributed ``--calls`` gradients of
+one sample each (``--mode`` majority or quorum): a round waiting for a waiting rank would never fire. With
+``--wait standby`` they wait in ``PartialGradients.standby``; with ``--wait block``, in a plain blocking wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetdp.collectives.partial import PartialConfig
+from hetdp.runtime import Timeouts
+from hetdp.sync.partial import PartialGradients
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", default="majority")
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument("--wait", choices=("standby", "block"), default="standby")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = PartialConfig(mode=args.mode, quorum=2 if args.mode == "quorum" else None, seed=1,
+                           timeouts=Timeouts(round_s=10.0))
+    gradients = PartialGradients(3, config)
+    mine = torch.tensor([float(rank)])
+    rows = [torch.empty(1) for _ in range(world)]
+    received = []
+    if rank == world - 1:
+        for _ in range(args.calls):
+            received += gradients.contribute(torch.ones(3), 1.0)
+        work = dist.all_gather(rows, mine, async_op=True)
+        work.wait()
+    else:
+        work = dist.all_gather(rows, mine, async_op=True)
+        if args.wait == "standby":
+            gradients.standby(work.is_completed, 30.0)
+        work.wait()
+    received += gradients.close()
+    received += gradients.carried
+    samples = sum(r.samples for r in received)
+    (args.out / f"standby_{rank}.json").write_text(json.dumps({"samples": samples, "gathered": [float(r) for r in rows]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
