@@ -128,6 +128,8 @@ def test_adaptive_shares_re_plan_from_background_gathers_without_averaging_the_r
     # again) before the epoch's end ...
     assert figures["identical_steps"] == [0], figures["identical_steps"]
     # ... and yet the shares moved, and every rank cut every step by the same ones (a prefetching loader too).
+    # A checkpoint (every 15 steps) meets first: the replicas are one model right after each.
+    assert figures["checkpointed"]["identical_steps"] == [0, 15, 30], figures["checkpointed"]["identical_steps"]
     for run in (figures, figures["majority"]):
         assert run["replans"] >= 1 and run["shares"][3] > run["shares"][0], run["shares"]
         assert len(run["blocks"]) == run["steps"] and all(sum(block) == 32 for block in run["blocks"])

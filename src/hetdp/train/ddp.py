@@ -462,6 +462,13 @@ class DistributedDataParallel(TorchDDP):
         self._epoch = {}
         return report
 
+    def synchronize(self) -> None:
+        """Collective: under partial or local synchronization, meet now, as at an epoch's end (the rounds in flight
+        are flushed, the parameters averaged); under allreduce the replicas are already one. A checkpoint calls it:
+        it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
+        if not self.synchronizer.meets_every_step and self._since_meeting > 0:
+            self._gather_and_plan(meet=True)
+
     @property
     def last_epoch(self) -> EpochReport | None:
         """The latest epoch's report (identical on every rank), or None before the first epoch ended."""
@@ -609,6 +616,7 @@ class DistributedDataParallel(TorchDDP):
         re-learns the shares) and the epoch continues at the saved step: the steps keep their samples,
         only the split among ranks changes.
         """
+        self._await_planning()
         self.steps_done = int(state["steps_done"])
         saved_world = int(state.get("world_size", self.world_size))
         if self.allocator is not None and state.get("allocator") is not None:
@@ -618,7 +626,6 @@ class DistributedDataParallel(TorchDDP):
                 log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
                             self.rank, saved_world, self.world_size)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
-        self._await_planning()
         self._pending = []
         self._since_meeting = 0
         self.resume_position = tuple(state["position"]) if state.get("position") is not None else (0, 0)

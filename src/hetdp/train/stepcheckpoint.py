@@ -14,6 +14,7 @@ import logging
 import random
 import re
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,9 @@ class Checkpointer:
                  scheduler: Any = None, scaler: Any = None, every: int = 100) -> None:
         if every < 1:
             raise ConfigError(f"a checkpoint every {every} steps: give every >= 1")
-        self.model = model
+        # Weakly: the model holds its checkpointer, and a cycle would leave the model to a garbage collection that may
+        # run in a forked DataLoader worker, whose copy of the process groups then crashes tearing down.
+        self.model = weakref.proxy(model)
         self.folder = Path(folder)
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -98,8 +101,10 @@ class Checkpointer:
             self.save()
 
     def save(self) -> Path | None:
-        """Write the state now (collective: rank 0 gathers the random states and writes, the others return None);
-        keeps the last ``KEEP`` checkpoints."""
+        """Write the state now (collective: the ranks meet if their synchronization does, so that the file holds
+        the one model they share; rank 0 gathers the random states and writes, the others return None); keeps the
+        last ``KEEP`` checkpoints."""
+        self.model.synchronize()
         random_states: list[Any] | None = [None] * self.model.world_size if self.model.rank == 0 else None
         with peer_failures("gathering the random states to checkpoint", self.model.step_timeout_s,
                            self.model.process_group):

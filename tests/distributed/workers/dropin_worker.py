@@ -150,23 +150,30 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
     elif scenario == "background":
         # Local averaging per epoch with adaptive shares, a prefetching loader: plans come from background gathers,
         # so the replicas stay apart until the epoch's end, and every rank cuts every step by the same shares.
-        model = hetdp.DDP(make_model(), "adaptive", "local", emulation=emulation)
-        loader = model.allocate(loader_for(Pairs(1280), batch_size=8, workers=1))
-        optimizer = make_optimizer(model, "sgd")
-        checksums = []
-        for batch in loader:  # the parameters each step starts from: after the last step's meeting, if any
-            checksums.append(float(sum(p.detach().double().sum() for p in model.module.parameters())))
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
-            optimizer.step()
-        mine = torch.tensor(checksums, dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(model.world_size)]
-        dist.all_gather(gathered, mine)
-        result = {"identical_steps": [step for step in range(len(checksums))
-                                      if all(torch.equal(g[step], mine[step]) for g in gathered)],
-                  "steps": len(checksums), "blocks": [f.shares for f in model.step_figures],
-                  "replans": model.allocator.replans, "shares": model.shares}
-        model.close()
+        for checkpoint_every in (None, 15):
+            model = hetdp.DDP(make_model(), "adaptive", "local", emulation=emulation)
+            loader = model.allocate(loader_for(Pairs(1280), batch_size=8, workers=1))
+            optimizer = make_optimizer(model, "sgd")
+            if checkpoint_every:  # a checkpoint meets first: it saves the averaged model, not rank 0's replica
+                model.checkpointer(out / "background_checkpoints", optimizer, every=checkpoint_every)
+            checksums = []
+            for batch in loader:  # the parameters each step starts from: after the last step's meeting, if any
+                checksums.append(float(sum(p.detach().double().sum() for p in model.module.parameters())))
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+                optimizer.step()
+            mine = torch.tensor(checksums, dtype=torch.float64)
+            gathered = [torch.empty_like(mine) for _ in range(model.world_size)]
+            dist.all_gather(gathered, mine)
+            run_ = {"identical_steps": [step for step in range(len(checksums))
+                                        if all(torch.equal(g[step], mine[step]) for g in gathered)],
+                    "steps": len(checksums), "blocks": [f.shares for f in model.step_figures],
+                    "replans": model.allocator.replans, "shares": model.shares}
+            model.close()
+            if checkpoint_every:
+                result["checkpointed"] = run_
+            else:
+                result.update(run_)
         # The same under majority rounds with a random straggler: ranks awaiting a gather keep the rounds firing.
         straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=30.0)
         model = hetdp.DDP(make_model(), "adaptive", "majority", emulation=straggling)
