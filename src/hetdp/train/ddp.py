@@ -478,10 +478,8 @@ class DistributedDataParallel(TorchDDP):
 
     def _gather_due(self) -> bool:
         window = self.allocator.window() if self.allocator is not None else None
-        if window:
-            measured = sum(1 for ticket, _, _ in self._pending if list(ticket.cut_by) == self._current_shares())
-            if self.allocator.measured + measured >= window:
-                return True
+        if window and self._window_steps() >= window:
+            return True
         return self.metrics.enabled and len(self._pending) >= self.metrics.every
 
     def _planning_gather_due(self) -> bool:
@@ -489,13 +487,14 @@ class DistributedDataParallel(TorchDDP):
         (``PLAN_LAG``) once ``MEETING_WINDOW`` steps or more were measured at the current shares (a window that short
         still has robust statistics under random stragglers), while the shares settle and, once stable, while it
         watches for drift; only the synchronization's own meetings make the ranks wait for each other."""
-        allocator = self.allocator
-        window = allocator.window() if allocator is not None and self._planning is None else None
-        if not window:
-            return False
-        current = allocator.shares  # type: ignore[union-attr]
-        measured = allocator.measured + sum(1 for ticket, _, _ in self._pending if list(ticket.cut_by) == current)
-        return measured >= max(window, MEETING_WINDOW)
+        window = self.allocator.window() if self.allocator is not None and self._planning is None else None
+        return bool(window) and self._window_steps() >= max(window, MEETING_WINDOW)  # type: ignore[type-var]
+
+    def _window_steps(self) -> int:
+        """Steps measured at the current shares, gathered or not: what the allocator's next re-plan would use."""
+        current = self.allocator.shares  # type: ignore[union-attr]
+        return self.allocator.measured + sum(  # type: ignore[union-attr]
+            1 for ticket, _, _ in self._pending if list(ticket.cut_by) == current)
 
     def _start_planning(self) -> None:
         pending, self._pending = self._pending, []
@@ -516,9 +515,6 @@ class DistributedDataParallel(TorchDDP):
         gathered = torch.stack(planning.rows).cpu()
         self._record(gathered, planning.pending)
         self._plan(int(gathered[:, 0].max().item()) + PLAN_LAG, epoch_end=False)
-
-    def _current_shares(self) -> list[int]:
-        return self.allocator.shares if self.allocator is not None else []
 
     def _gather_and_plan(self, *, meet: bool = False, totals: Sequence[float] = (), epoch_end: bool = False
                          ) -> torch.Tensor:
