@@ -19,6 +19,14 @@ same recipe, a user's loop as any: inputs standardized with the training set's
 mean and deviation, SGD with momentum from a learning rate of 0.05 decayed to 0
 over the run (cosine).
 
+One run's curve is noisy near its plateau: from one initial model to another, the
+final accuracy of the same recipe varies by about a point, the very margin the
+target is read at. So every pairing runs ``--repeats`` times (3; one with
+``--quick``, to stay within its two minutes), each repeat from its own initial
+model, data order and straggler draws, the same for every pairing, and the
+figures are read off the mean of their curves, as the eager-SGD paper averages
+four runs (section 7.3); each repeat's own figures are reported too.
+
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
 
@@ -77,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "epoch's end)")
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
     parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
+    parser.add_argument("--repeats", type=positive_int,
+                        help="runs of every pairing, the figures read off their mean curves (default 3; --quick 1)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,11 +110,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.global_batch < nproc:
         raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
     epochs = args.epochs or (4 if args.quick else 8)
+    repeats = args.repeats or (1 if args.quick else 3)
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
-                   "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--seed", args.seed]
-    raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=len(PAIRINGS) * epochs * steps,
+                   "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--repeats", repeats,
+                   "--seed", args.seed]
+    raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=repeats * len(PAIRINGS) * epochs * steps,
                          description="steps", unit="step")
     return summarize(raw, speeds, quorum)
 
@@ -114,34 +126,49 @@ def _name(allocation: str, sync: str, quorum: int) -> str:
 
 
 def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> dict[str, Any]:
-    """Time to accuracy of every pairing against the synchronous baseline's final accuracy."""
+    """Time to accuracy of every pairing against the synchronous baseline's final accuracy, read off the mean
+    curves of the repeats; each repeat's own speedup and accuracy drop beside them."""
     runs = {_name(a, s, quorum): raw["runs"][f"{a}+{s}"] for a, s in PAIRINGS}
-    names = list(runs)
-    smoothed = {name: [statistics.fmean(run_["accuracy"][max(i + 1 - SMOOTHING, 0) : i + 1])
-                       for i in range(len(run_["accuracy"]))] for name, run_ in runs.items()}
-    final = {name: curve[-1] for name, curve in smoothed.items()}
-    target = final[names[0]] - 0.01
-    tta = {name: next((t for t, acc in zip(runs[name]["time_s"], curve) if acc >= target), None)
-           for name, curve in smoothed.items()}
-    both, sync_only, partial_only = names[3], names[1], names[2]
-    singles = [tta[sync_only], tta[partial_only]]
-    best_single = min((t for t in singles if t is not None), default=None)
-    speedup = (best_single / tta[both]) if best_single is not None and tta[both] is not None else None
+    mean = _figures({name: _mean_curve(repeats) for name, repeats in runs.items()})
+    repeats = [_figures({name: (run_[r]["time_s"], run_[r]["accuracy"]) for name, run_ in runs.items()})
+               for r in range(len(next(iter(runs.values()))))]
     return {
         "speeds": list(speeds),
-        "pairings": names,
-        "target_accuracy": target,
-        "time_to_accuracy_s": tta,
-        "final_accuracy": final,
-        "samples_per_s": {name: run_["samples_per_s"] for name, run_ in runs.items()},
-        "train_s": {name: run_["time_s"][-1] for name, run_ in runs.items()},
-        "final_shares": {name: run_["shares"] for name, run_ in runs.items()},
-        "speedup_vs_best_single_axis": speedup,
-        "accuracy_drop_points": 100 * (final[names[0]] - final[both]),
+        "pairings": list(runs),
+        "repeats": len(repeats),
+        **mean,
+        "samples_per_s": {name: statistics.fmean(r["samples_per_s"] for r in run_) for name, run_ in runs.items()},
+        "train_s": {name: statistics.fmean(r["time_s"][-1] for r in run_) for name, run_ in runs.items()},
+        "final_shares": {name: run_[-1]["shares"] for name, run_ in runs.items()},
+        "per_repeat": {key: [figures[key] for figures in repeats]
+                       for key in ("speedup_vs_best_single_axis", "accuracy_drop_points")},
         "targets": {"speedup_vs_best_single_axis": 1.2, "accuracy_drop_points": 1.0},
         "settings": raw["settings"],
         "runs": runs,
     }
+
+
+def _mean_curve(repeats: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Snapshot times and accuracies averaged over the repeats, which all snapshot at the same steps."""
+    return ([statistics.fmean(times) for times in zip(*(run_["time_s"] for run_ in repeats))],
+            [statistics.fmean(accuracies) for accuracies in zip(*(run_["accuracy"] for run_ in repeats))])
+
+
+def _figures(curves: dict[str, tuple[list[float], list[float]]]) -> dict[str, Any]:
+    """Target, time to accuracy, final accuracy and the two headline figures of one set of (times, accuracies)
+    curves, the synchronous baseline first and the pairings in ``PAIRINGS`` order."""
+    names = list(curves)
+    smoothed = {name: [statistics.fmean(accuracy[max(i + 1 - SMOOTHING, 0) : i + 1]) for i in range(len(accuracy))]
+                for name, (_, accuracy) in curves.items()}
+    final = {name: curve[-1] for name, curve in smoothed.items()}
+    target = final[names[0]] - 0.01
+    tta = {name: next((t for t, acc in zip(curves[name][0], curve) if acc >= target), None)
+           for name, curve in smoothed.items()}
+    both, sync_only, partial_only = names[3], names[1], names[2]
+    best_single = min((t for t in (tta[sync_only], tta[partial_only]) if t is not None), default=None)
+    speedup = (best_single / tta[both]) if best_single is not None and tta[both] is not None else None
+    return {"target_accuracy": target, "time_to_accuracy_s": tta, "final_accuracy": final,
+            "speedup_vs_best_single_axis": speedup, "accuracy_drop_points": 100 * (final[names[0]] - final[both])}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -157,20 +184,29 @@ def render(result: dict[str, Any]) -> str:
         "final shares": result["final_shares"][name],
     } for name in result["pairings"]]
     s = result["settings"]
+    repeats = result["repeats"]
     title = (f"digits ConvNet on speeds {result['speeds']}, one random rank delayed {s['straggler_ms']:g} ms per "
-             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing")
+             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing"
+             + (f", mean of {repeats} runs" if repeats > 1 else ""))
     lines = [format_table(rows, title=title)]
     speedup = result["speedup_vs_best_single_axis"]
     lines.append(
         f"time to accuracy: training seconds until rank 0's model reaches {result['target_accuracy']:.3f} (the "
         f"synchronous run's final accuracy less one point); speedup over equal+allreduce; samples/s counts stale "
-        f"gradients too; accuracy: of rank 0's model, the mean of {SMOOTHING} snapshots {SNAPSHOT_EVERY} steps apart."
+        f"gradients too; accuracy: of rank 0's model, the mean of {SMOOTHING} snapshots {SNAPSHOT_EVERY} steps apart"
+        + (", averaged over the runs." if repeats > 1 else ".")
     )
     lines.append(
         f"adaptive+majority reaches it {'-' if speedup is None else f'{speedup:.2f}x'} sooner than the better single "
         f"axis (target 1.2x), {result['accuracy_drop_points']:+.1f} points from synchronous (target within 1)"
+        + (f"; run by run: {_listed(result['per_repeat']['speedup_vs_best_single_axis'], 'x')} and "
+           f"{_listed(result['per_repeat']['accuracy_drop_points'], ' points')}" if repeats > 1 else "")
     )
     return "\n".join(lines)
+
+
+def _listed(values: list[float | None], unit: str) -> str:
+    return ", ".join("-" if value is None else f"{value:.2f}{unit}" for value in values)
 
 
 # --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
@@ -187,34 +223,39 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--sync-every", type=int, required=True)
     parser.add_argument("--quorum", type=int, required=True)
     parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
-    emulation = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
-                          straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms,
-                          seed=args.seed)
     progress = EventWriter(enabled=rank == 0)
-    runs = {f"{allocation}+{sync}": _train(args, allocation, sync, emulation, progress)
-            for allocation, sync in PAIRINGS}
+    runs: dict[str, list[dict[str, Any]]] = {f"{allocation}+{sync}": [] for allocation, sync in PAIRINGS}
+    for repeat in range(args.repeats):  # the repeats outermost: a slow spell of the machine spreads over pairings
+        seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
+        emulation = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
+                              straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms,
+                              seed=seed)
+        for allocation, sync in PAIRINGS:
+            runs[f"{allocation}+{sync}"].append(_train(args, allocation, sync, emulation, progress, seed))
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
         args.out.write_text(json.dumps({"settings": settings, "runs": runs}))
     dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emulation,
-           progress: EventWriter) -> dict[str, Any]:
-    """One pairing in a user's loop; rank 0 keeps timed snapshots, evaluated once training is over."""
+def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emulation, progress: EventWriter,
+           seed: int) -> dict[str, Any]:
+    """One pairing in a user's loop from ``seed``'s initial model and data order, on ``--seed``'s split of the
+    data; rank 0 keeps timed snapshots, evaluated once training is over."""
     split = _standardized(load_digits(seed=args.seed))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     net = ConvNet()
     spec = (Partial(mode="quorum", quorum=args.quorum, sync_every=args.sync_every) if sync == "quorum" else
             Partial(mode=sync, sync_every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
     model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation)
     loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size,
-                                       sampler=DistributedSampler(split.train, seed=args.seed)))
+                                       sampler=DistributedSampler(split.train, seed=seed)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []

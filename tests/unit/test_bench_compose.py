@@ -1,0 +1,74 @@
+"""hetdp bench compose's figures, read off the mean curves of the repeats, on made-up curves."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetdp.bench.compose import PAIRINGS, render, summarize
+
+SNAPSHOTS = 10
+
+
+def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: float = 100.0) -> dict:
+    """A run whose accuracy is 0 before snapshot ``first_good`` and 1 from it (never, for None)."""
+    good = SNAPSHOTS if first_good is None else first_good
+    return {"time_s": [seconds_per_snapshot * (i + 1) for i in range(SNAPSHOTS)],
+            "accuracy": [0.0 if i < good else 1.0 for i in range(SNAPSHOTS)],
+            "shares": [16, 16, 16, 16], "samples_per_s": samples_per_s}
+
+
+def _raw(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
+    """Two repeats per pairing: the first at 1 s per snapshot, the second at 2 s."""
+    return {"settings": {"straggler_ms": 100.0, "global_batch": 64, "epochs": 4},
+            "runs": {name: [_run(first_good[name][0], 1.0, 100.0), _run(first_good[name][1], 2.0, 200.0)]
+                     for name in first_good}}
+
+
+def _figures(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
+    return summarize(_raw(first_good), (1.0, 1.0, 2.0, 4.0), quorum=2)
+
+
+BASE = {"equal+allreduce": (0, 0), "adaptive+allreduce": (2, 2), "equal+majority": (3, None),
+        "adaptive+majority": (1, 3), "adaptive+quorum": (0, 0)}
+
+
+def test_pairings_are_named_in_order():
+    assert list(BASE) == [f"{allocation}+{sync}" for allocation, sync in PAIRINGS]
+
+
+def test_the_time_to_accuracy_is_read_off_the_mean_curve_not_averaged_over_the_repeats():
+    result = _figures(BASE)
+    # A mean curve reaches 1 once every repeat has: the five-snapshot window is then all ones, four snapshots on.
+    assert result["time_to_accuracy_s"]["adaptive+allreduce"] == pytest.approx(1.5 * 7)
+    assert result["time_to_accuracy_s"]["adaptive+majority"] == pytest.approx(1.5 * 8)
+    assert result["time_to_accuracy_s"]["equal+majority"] is None  # its second repeat never gets there
+    assert result["speedup_vs_best_single_axis"] == pytest.approx(7 / 8)
+    # Each repeat alone: 7 s against 6 s (equal+majority 8 s), then 14 s against 16 s (equal+majority never).
+    assert result["per_repeat"]["speedup_vs_best_single_axis"] == pytest.approx([7 / 6, 14 / 16])
+    assert result["repeats"] == 2
+
+
+def test_accuracy_drop_and_throughput_are_means_over_the_repeats():
+    result = _figures(BASE)
+    assert result["accuracy_drop_points"] == pytest.approx(0.0)
+    assert result["final_accuracy"]["equal+majority"] == pytest.approx(0.5)  # one repeat at 1, the other at 0
+    assert result["per_repeat"]["accuracy_drop_points"] == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert result["samples_per_s"]["adaptive+majority"] == pytest.approx(150.0)
+    assert result["train_s"]["adaptive+majority"] == pytest.approx(1.5 * SNAPSHOTS)
+
+
+def test_no_speedup_when_the_composed_pairing_never_reaches_the_target():
+    result = _figures({**BASE, "adaptive+majority": (1, None)})
+    assert result["speedup_vs_best_single_axis"] is None
+    assert result["per_repeat"]["speedup_vs_best_single_axis"] == [pytest.approx(7 / 6), None]
+    assert "run by run: 1.17x, -" in render(result)
+
+
+def test_one_run_reports_its_figures_once():
+    raw = _raw(BASE)
+    raw["runs"] = {name: repeats[:1] for name, repeats in raw["runs"].items()}
+    result = summarize(raw, (1.0, 1.0, 2.0, 4.0), quorum=2)
+    assert result["repeats"] == 1
+    assert result["per_repeat"]["speedup_vs_best_single_axis"] == [result["speedup_vs_best_single_axis"]]
+    assert result["speedup_vs_best_single_axis"] == pytest.approx(7 / 6)
+    assert "run by run" not in render(result) and "runs" not in render(result)
