@@ -129,18 +129,20 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
     """Time to accuracy of every pairing against the synchronous baseline's final accuracy, read off the mean
     curves of the repeats; each repeat's own speedup and accuracy drop beside them."""
     runs = {_name(a, s, quorum): raw["runs"][f"{a}+{s}"] for a, s in PAIRINGS}
+    count = len(next(iter(runs.values())))
     mean = _figures({name: _mean_curve(repeats) for name, repeats in runs.items()})
-    repeats = [_figures({name: (run_[r]["time_s"], run_[r]["accuracy"]) for name, run_ in runs.items()})
-               for r in range(len(next(iter(runs.values()))))]
+    by_run = [_figures({name: (repeats[i]["time_s"], repeats[i]["accuracy"]) for name, repeats in runs.items()})
+              for i in range(count)]
     return {
         "speeds": list(speeds),
         "pairings": list(runs),
-        "repeats": len(repeats),
+        "repeats": count,
         **mean,
-        "samples_per_s": {name: statistics.fmean(r["samples_per_s"] for r in run_) for name, run_ in runs.items()},
-        "train_s": {name: statistics.fmean(r["time_s"][-1] for r in run_) for name, run_ in runs.items()},
-        "final_shares": {name: run_[-1]["shares"] for name, run_ in runs.items()},
-        "per_repeat": {key: [figures[key] for figures in repeats]
+        "samples_per_s": {name: statistics.fmean(run_["samples_per_s"] for run_ in repeats)
+                          for name, repeats in runs.items()},
+        "train_s": {name: statistics.fmean(run_["time_s"][-1] for run_ in repeats) for name, repeats in runs.items()},
+        "final_shares": {name: repeats[-1]["shares"] for name, repeats in runs.items()},
+        "per_repeat": {key: [figures[key] for figures in by_run]
                        for key in ("speedup_vs_best_single_axis", "accuracy_drop_points")},
         "targets": {"speedup_vs_best_single_axis": 1.2, "accuracy_drop_points": 1.0},
         "settings": raw["settings"],
