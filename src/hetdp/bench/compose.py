@@ -232,6 +232,7 @@ def _worker(argv: list[str]) -> None:
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
     progress = EventWriter(enabled=rank == 0)
+    split = _standardized(load_digits(seed=args.seed))  # one split for every run: the repeats vary the rest
     runs: dict[str, list[dict[str, Any]]] = {f"{allocation}+{sync}": [] for allocation, sync in PAIRINGS}
     for repeat in range(args.repeats):  # the repeats outermost: a slow spell of the machine spreads over pairings
         seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
@@ -239,18 +240,17 @@ def _worker(argv: list[str]) -> None:
                               straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms,
                               seed=seed)
         for allocation, sync in PAIRINGS:
-            runs[f"{allocation}+{sync}"].append(_train(args, allocation, sync, emulation, progress, seed))
+            runs[f"{allocation}+{sync}"].append(_train(args, split, allocation, sync, emulation, progress, seed))
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
         args.out.write_text(json.dumps({"settings": settings, "runs": runs}))
     dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, allocation: str, sync: str, emulation: Emulation, progress: EventWriter,
-           seed: int) -> dict[str, Any]:
-    """One pairing in a user's loop from ``seed``'s initial model and data order, on ``--seed``'s split of the
-    data; rank 0 keeps timed snapshots, evaluated once training is over."""
-    split = _standardized(load_digits(seed=args.seed))
+def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,
+           progress: EventWriter, seed: int) -> dict[str, Any]:
+    """One pairing in a user's loop from ``seed``'s initial model and data order; rank 0 keeps timed snapshots,
+    evaluated once training is over."""
     torch.manual_seed(seed)
     net = ConvNet()
     spec = (Partial(mode="quorum", quorum=args.quorum, sync_every=args.sync_every) if sync == "quorum" else

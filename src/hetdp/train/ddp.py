@@ -487,8 +487,10 @@ class DistributedDataParallel(TorchDDP):
         (``PLAN_LAG``) once ``MEETING_WINDOW`` steps or more were measured at the current shares (a window that short
         still has robust statistics under random stragglers), while the shares settle and, once stable, while it
         watches for drift; only the synchronization's own meetings make the ranks wait for each other."""
-        window = self.allocator.window() if self.allocator is not None and self._planning is None else None
-        return bool(window) and self._window_steps() >= max(window, MEETING_WINDOW)  # type: ignore[type-var]
+        if self.allocator is None or self._planning is not None:
+            return False
+        window = self.allocator.window()
+        return bool(window) and self._window_steps() >= max(window, MEETING_WINDOW)
 
     def _window_steps(self) -> int:
         """Steps measured at the current shares, gathered or not: what the allocator's next re-plan would use."""
