@@ -9,6 +9,11 @@ did not move is silent; a rank that beats but has not reached the failed
 collective is stuck (a hang in its own code, or a step slower than the
 deadline). The first verdict reached is published, and every survivor raises
 that one, so a survivor that exits first is never mistaken for the culprit.
+
+A stopped heartbeat leaves its two store clients to the next one in the same
+process: every new client costs a connection and, in c10d, a reverse lookup of
+the store's address, which a resolver that drops a burst of queries (16 ranks
+building a model at once) holds up for its whole timeout, 5 s by default.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ may be slow to accept."""
 
 _watched: dict[int, Heartbeat] = {}
 """The running heartbeat of each process group, by ``id(group)``."""
+_idle_clients: dict[tuple[int, str, str], list[tuple[dist.Store, dist.Store]]] = {}
+"""Store clients of stopped heartbeats, by (process id, host, port): a forked child never takes its parent's."""
+_idle_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,8 @@ class Heartbeat:
         message = [f"hetdp/live/{uuid.uuid4().hex}/" if self.rank == 0 else None]
         dist.broadcast_object_list(message, group=group, group_src=0)
         self._prefix: str = message[0]  # type: ignore[assignment]
+        self._address: tuple[int, str, str] | None = None
+        """(process id, host, port) of the store clients, once connected."""
         self._store, self._beater = self._connect()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,10 +128,16 @@ class Heartbeat:
 
     def _connect(self) -> tuple[dist.Store | None, dist.Store | None]:
         """Two clients of the launcher's store, one for diagnoses and one for the beating thread (a client is not
-        shared between threads); (None, None) without a store or if it does not answer."""
+        shared between threads): a stopped heartbeat's if this process has some, else new ones; (None, None) without
+        a store or if it does not answer."""
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not (host and port):
             return None, None
+        self._address = (os.getpid(), host, port)
+        with _idle_lock:
+            idle = _idle_clients.get(self._address)
+            if idle:
+                return idle.pop()
         try:
             store = dist.TCPStore(host, int(port), is_master=False,
                                   timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
@@ -152,14 +168,25 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
-        """Stop beating (idempotent)."""
+        """Stop beating (idempotent); once the beating thread has ended, its store clients go to the next heartbeat."""
         self._stopped.set()
         if _watched.get(id(self.group)) is self:
             del _watched[id(self.group)]
         if self._thread is not None:
             self._thread.join(timeout=STORE_TIMEOUT_S)
+            ended = not self._thread.is_alive()
             self._thread = None
             atexit.unregister(self.stop)
+            if ended:
+                self._release_clients()
+
+    def _release_clients(self) -> None:
+        """Leave both store clients to the next heartbeat of this process (after any diagnosis using them)."""
+        with self._lock:
+            store, beater, self._store, self._beater = self._store, self._beater, None, None
+        if self._address is not None and store is not None and beater is not None:
+            with _idle_lock:
+                _idle_clients.setdefault(self._address, []).append((store, beater))
 
     def diagnose(self) -> Verdict | None:
         """Who the failed collective waited on; the same verdict on every rank that asks (the first one reached).

@@ -1,11 +1,13 @@
-"""The verdict a failed collective reaches from two reads of every rank's heartbeat."""
+"""The verdict a failed collective reaches from two reads of every rank's heartbeat, and the store clients a heartbeat
+keeps."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetdp.liveness import Verdict, judge
+from hetdp.liveness import Heartbeat, Verdict, judge
 
 RANKS = [0, 1, 2, 3]
 
@@ -45,3 +47,19 @@ def test_every_rank_alive_and_level_names_nobody():
 def test_a_verdict_survives_the_store(silent, stuck):
     verdict = Verdict(tuple(silent), tuple(stuck))
     assert Verdict.decode(verdict.encode()) == verdict
+
+
+def test_a_heartbeat_takes_the_store_clients_of_a_stopped_one(one_rank, monkeypatch):
+    """A model built after another one connects nothing new to the launcher's store."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    first = Heartbeat(dist.group.WORLD, lambda: 0).start()
+    store, beater = first._store, first._beater
+    first.stop()
+    second = Heartbeat(dist.group.WORLD, lambda: 7).start()
+    try:
+        assert second._store is store and second._beater is beater
+        assert server.get(f"{second._prefix}0") == b"1 7"
+    finally:
+        second.stop()
