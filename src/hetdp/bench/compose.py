@@ -33,6 +33,7 @@ Run as a module under torchrun it is the worker; imported, it is the benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -233,12 +234,12 @@ def _worker(argv: list[str]) -> None:
     torch.set_num_threads(1)
     progress = EventWriter(enabled=rank == 0)
     split = _standardized(load_digits(seed=args.seed))  # one split for every run: the repeats vary the rest
+    devices = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
+                        straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms)
     runs: dict[str, list[dict[str, Any]]] = {f"{allocation}+{sync}": [] for allocation, sync in PAIRINGS}
     for repeat in range(args.repeats):  # the repeats outermost: a slow spell of the machine spreads over pairings
         seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
-        emulation = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
-                              straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms,
-                              seed=seed)
+        emulation = dataclasses.replace(devices, seed=seed)  # the repeat's own straggler draws
         for allocation, sync in PAIRINGS:
             runs[f"{allocation}+{sync}"].append(_train(args, split, allocation, sync, emulation, progress, seed))
     if rank == 0:

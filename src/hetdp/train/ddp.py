@@ -436,12 +436,11 @@ class DistributedDataParallel(TorchDDP):
 
         Collective; the allocated loader calls it after the epoch's last step.
         """
-        meet = not self.synchronizer.meets_every_step and self._since_meeting > 0
         elapsed_s = time.perf_counter() - self._epoch["started"]
         loss = self._epoch["loss"]
         totals = [self._epoch["compute_s"], self._epoch["wait_s"], float(self._epoch["samples"]), elapsed_s,
                   0.0 if loss is None else float(loss), float(self._epoch["loss_samples"])]
-        gathered = self._gather_and_plan(meet=meet, totals=totals, epoch_end=True)
+        gathered = self._gather_and_plan(meet=self._replicas_apart, totals=totals, epoch_end=True)
         loss_samples = float(gathered[:, 5].sum())
         report = EpochReport(
             epoch=self._epoch["epoch"],
@@ -466,8 +465,14 @@ class DistributedDataParallel(TorchDDP):
         """Collective: under partial or local synchronization, meet now, as at an epoch's end (the rounds in flight
         are flushed, the parameters averaged); under allreduce the replicas are already one. A checkpoint calls it:
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
-        if not self.synchronizer.meets_every_step and self._since_meeting > 0:
+        if self._replicas_apart:
             self._gather_and_plan(meet=True)
+
+    @property
+    def _replicas_apart(self) -> bool:
+        """Whether the ranks' replicas may differ: partial or local synchronization, with steps since the last
+        meeting."""
+        return not self.synchronizer.meets_every_step and self._since_meeting > 0
 
     @property
     def last_epoch(self) -> EpochReport | None:
