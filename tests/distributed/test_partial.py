@@ -123,6 +123,20 @@ def test_a_graced_majority_initiator_lets_in_the_ranks_only_a_little_behind(sema
         assert rank["majority_graced"][3:] and set(rank["majority_graced"][3:]) == {WORLD}, rank["majority_graced"]
 
 
+def test_a_bypassed_initiator_is_waited_for_before_it_can_be_bypassed_again(semantics):
+    # Rank 3 is late for good. Its rounds may fire without it (it is the only rank out), but not twice without it
+    # arriving in between: then the others wait for it, as under the paper's rule, and its lag stays bounded.
+    late = WORLD - 1
+    rounds = semantics[late]["majority_bypassed"]
+    assert [r["round"] for r in rounds] == list(range(len(rounds)))  # every round, in order
+    own = [(r["round"], r["fresh"]) for r in rounds if initiator(11, r["round"], WORLD) == late]
+    bypassed = [index for index, fresh in own if not fresh]
+    assert bypassed, own  # late at its own rounds, it was bypassed at least once
+    assert any(fresh for _, fresh in own), own  # ... and waited for at others
+    for first, second in zip(bypassed, bypassed[1:]):
+        assert any(r["fresh"] for r in rounds if first < r["round"] < second), (first, second, rounds)
+
+
 def test_eager_full_mode_matches_synchronous_sgd_exactly(semantics):
     # Two-rank groups: a sum of two floats does not depend on the reduction order, so equality is exact.
     assert [rank["eager_full_equals_sync"] for rank in semantics] == [True] * WORLD

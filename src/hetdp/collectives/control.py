@@ -8,6 +8,7 @@ live in ``protocol.py``; here they become store operations:
   (run it), ``flush`` (run it: every rank is flushing, this round empties every
   send buffer), ``last`` (the same, then stop: every rank is closing) or ``fail``.
 - ``arr/R``, ``who/R``: arrivals at round R (majority, quorum, full).
+- ``owed/I``: majority with bypass: rank I's round was bypassed and I has not arrived at a round since.
 - ``flush/G``, ``flush/G/I``: ranks waiting in their G-th ``flush()`` or ``close()``.
 - ``alarm``, ``alive/I``, ``failed``: a failure being diagnosed, the roll call
   that finds who is gone, and the one verdict every survivor raises.
@@ -53,11 +54,12 @@ class RoundControl:
         rank, ranks: this rank in the group, and the default-group rank of every group rank (for messages).
         round_s: the round deadline, quoted in error messages.
         grace: majority mode: the part of its recent step an initiator waits for the others (``protocol.grace_s``).
+        bypass: majority mode: fire a round without its initiator when it is the only rank out (``PartialConfig``).
     """
 
     def __init__(
         self, store: dist.Store, *, mode: Mode, required: int, seed: int, rank: int, ranks: Sequence[int],
-        round_s: float, grace: float = 0.0,
+        round_s: float, grace: float = 0.0, bypass: bool = False,
     ) -> None:
         self._store = store
         self.mode = mode
@@ -70,6 +72,9 @@ class RoundControl:
         self.generation = 0
         """Flushes this rank completed: the ranks in flush/G are those waiting in the next one."""
         self.grace = grace
+        self.bypass = bypass
+        self._last_round = 0
+        """The round this rank last arrived at (majority with bypass)."""
         self._arrived_at: float | None = None
         self._steps: collections.deque[float] = collections.deque(maxlen=GRACE_HISTORY)
         """This rank's recent times between two arrivals: its steps, what its grace is a part of."""
@@ -89,21 +94,47 @@ class RoundControl:
             return
         if self.mode == "majority":
             leader = initiator(self.seed, round_index, self.world_size)
+            if self.bypass:
+                self._settle_owed(round_index)
             if leader == self.rank:
                 self._wait_for_the_others(round_index, until=now + grace_s(self._steps, self.grace))
                 self._store.compare_set(key, "", GO)
                 return
             # Count first, then look at the initiator: a flushing initiator does the reverse, so one of us sees
             # the other (see flush_and_fire).
-            self._store.add(f"arr/{round_index}", 1)
+            arrivals = self._store.add(f"arr/{round_index}", 1)
             if self._store.check([f"flush/{self.generation}/{leader}"]):
                 self._store.compare_set(key, "", GO)
+            elif self.bypass and arrivals == self.world_size - 1:
+                self._bypass(round_index, leader, until=now + grace_s(self._steps, self.grace))
             return
         arrivals = self._store.add(f"arr/{round_index}", 1)
         self._store.append(f"who/{round_index}", f"{self.rank},")
         flushing = 0 if arrivals >= self.required else self.flushing_count()
         if fires(self.mode, self.required, arrivals=arrivals, flushing=flushing):
             self._store.compare_set(key, "", GO)
+
+    def _settle_owed(self, round_index: int) -> None:
+        """Majority with bypass, on arriving: if a round this rank initiated ran since its last arrival, it may have
+        been bypassed there; arriving now, it owes nothing any more."""
+        previous, self._last_round = self._last_round, round_index
+        if any(initiator(self.seed, r, self.world_size) == self.rank for r in range(previous, round_index)):
+            self._store.delete_key(f"owed/{self.rank}")
+
+    def _bypass(self, round_index: int, leader: int, until: float) -> None:
+        """The last arrival but the initiator: give the initiator until ``until``, then fire without it, unless it
+        was bypassed before and has not arrived since (it then owes a round: the others wait for it, as the paper's
+        rule does, so a rank late for good is not left ever further behind)."""
+        key = f"act/{round_index}"
+        if self._store.check([f"owed/{leader}"]):
+            return
+        while time.monotonic() < until:
+            if self._store.check([key]):
+                return
+            time.sleep(GRACE_POLL_S)
+        # Owed first, then fired: the initiator, which arrives only after this round ran, then always finds it.
+        self._store.set(f"owed/{leader}", str(round_index).encode())
+        self._store.compare_set(key, "", GO)
 
     def _wait_for_the_others(self, round_index: int, until: float) -> None:
         """Majority initiator: until ``until``, or until every other rank arrived (a flushing one never will)."""

@@ -50,6 +50,12 @@ class PartialConfig:
     so that those only a little behind contribute fresh (see ``protocol.grace_s``). 0 fires at once, as the paper
     does; the drop-in's ``hetdp.Partial`` waits ``protocol.GRACE`` by default, since its allocation equalizes the
     ranks' times and so leaves many of them just behind the initiator."""
+    bypass: bool = False
+    """Majority mode: a round whose initiator is the only rank still out, once the others waited out their grace,
+    fires without it, unless that initiator was bypassed before and has not arrived at a round since (see
+    ``RoundControl.arrive``). A rank late once, a transient straggler, then holds up no round; a rank late for good
+    is bypassed at most once between two of its arrivals, so it falls at most about a round further behind than
+    under the paper's rule. False fires only on the initiator's arrival, as the paper does."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """``connect_s``: creating the group and connecting to the store. ``round_s``: how long a call waits for
     its round (to fire, then to be reduced) before a PeerTimeoutError names the rank it waited for; also the
@@ -71,6 +77,8 @@ class PartialConfig:
             raise ConfigError(f"quorum={self.quorum!r} only applies to mode='quorum' (mode is {self.mode!r})")
         if isinstance(self.grace, bool) or not isinstance(self.grace, (int, float)) or not 0 <= self.grace < 1:
             raise ConfigError(f"grace must be a part of a step, 0 <= grace < 1; got {self.grace!r}")
+        if not isinstance(self.bypass, bool):
+            raise ConfigError(f"bypass must be True or False, got {self.bypass!r}")
         if self.data_backend not in ("gloo", "nccl"):
             raise ConfigError(f"data_backend must be 'gloo' or 'nccl', got {self.data_backend!r}")
         if not self.bucket_mb > 0:
@@ -189,20 +197,22 @@ class PartialAllreduce:
         *,
         seed: int = 0,
         grace: float = 0.0,
+        bypass: bool = False,
     ) -> None:
         """Create the progress thread, its gloo group and store clients; collective over ``group``.
 
         Args:
             tensor_or_numel: the tensor each call will pass (its shape, dtype and device), or its element count
                 (float32 on the CPU).
-            mode, quorum, seed, grace: see ``PartialConfig``.
+            mode, quorum, seed, grace, bypass: see ``PartialConfig``.
             group: the ranks taking part (None: the default group).
             timeout: the round deadline (seconds or a timedelta), or a full ``Timeouts``.
 
         Raises:
             ConfigError: a bad setting, or torch.distributed is not initialized.
         """
-        config = PartialConfig(mode=mode, quorum=quorum, seed=seed, grace=grace, timeouts=_timeouts(timeout))
+        config = PartialConfig(mode=mode, quorum=quorum, seed=seed, grace=grace, bypass=bypass,
+                               timeouts=_timeouts(timeout))
         self._start(tensor_or_numel, config, group)
 
     @classmethod
@@ -260,7 +270,8 @@ class PartialAllreduce:
             self._data_group = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", client.clone()), self.rank,
                                                      self.world_size)
         settings = {"mode": self.config.mode, "required": required, "seed": self.config.seed, "rank": self.rank,
-                    "ranks": self._ranks, "round_s": timeouts.round_s, "grace": self.config.grace}
+                    "ranks": self._ranks, "round_s": timeouts.round_s, "grace": self.config.grace,
+                    "bypass": self.config.bypass}
         self._control = RoundControl(dist.PrefixStore(prefix, client), **settings)
         progress_client = client.clone()
         progress_client.set_timeout(datetime.timedelta(seconds=IDLE_WAIT_S))  # its blocking get awaits activations

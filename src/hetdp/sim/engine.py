@@ -5,18 +5,21 @@ the ranks' shares). A synchronous step waits for the slowest rank, then the
 allreduce. A partial step contributes to the open round of a partial allreduce
 and waits only for that round, by the rules of ``collectives/partial.py``: a
 solo round fires at its first arrival, a majority round at its initiator's
-(the same seeded draw), a quorum round at its k-th arrival; a rank that finds
-rounds run since its last call returns at once and its gradient travels, stale,
-in the next round. Local steps do not communicate. Partial and local runs meet
-(flush the rounds in flight, average the parameters) when the drop-in meets:
-every K steps for ``local:K``, and at the end. Adaptive allocation runs the
-drop-in's own ``Allocator`` on the simulated compute times, so it re-plans at
-the same steps, to the same shares: under partial and local synchronization
-on ``MEETING_WINDOW`` measured steps or more, from a gather in the background
-whose plan applies ``PLAN_LAG`` steps later, as the drop-in's. Not simulated: a
-majority initiator's grace (``hetdp.Partial.grace``; the round fires at its
-arrival), and a rank's wait for that gather (the last rank is rarely
-``PLAN_LAG`` steps behind).
+(the same seeded draw) once the initiator has waited its grace for the others
+(or all are in), or, as the drop-in's ``hetdp.Partial`` bypasses an initiator
+that is the only rank out and owes no round, once the last other arrival has
+waited the same grace for it; a quorum round fires at its k-th arrival. A rank
+that finds rounds run since its last call returns at once and its gradient
+travels, stale, in the next round. Local steps do not communicate. Partial and
+local runs meet (flush the rounds in flight, average the parameters) when the
+drop-in meets: every K steps for ``local:K``, and at the end. Adaptive
+allocation runs the drop-in's own ``Allocator`` on the simulated compute times,
+so it re-plans at the same steps, to the same shares: under partial and local
+synchronization on ``MEETING_WINDOW`` measured steps or more, from a gather in
+the background whose plan applies ``PLAN_LAG`` steps later, as the drop-in's.
+A grace is a part of the rank's current step, where the drop-in takes the median
+of its recent ones. Not simulated: a rank's wait for that gather (the last rank
+is rarely ``PLAN_LAG`` steps behind).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG, Adaptive, Allocator, Equal, Static
-from hetdp.collectives.protocol import initiator
+from hetdp.collectives.protocol import GRACE, initiator
 from hetdp.errors import ConfigError
 
 ALLOCATIONS: tuple[str, ...] = ("equal", "static", "adaptive")
 SYNCS: tuple[str, ...] = ("allreduce", "solo", "majority", "quorum", "local")
+STEP_ENDS, FLUSHES, GRACE_ENDS = 0, 1, 2
+"""What a partial run's events are: a rank's step ends, a rank starts to flush, a majority round's grace ends."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,12 @@ class LoopCosts:
     """Weights of the static allocation (the workers' speeds); None: equal."""
     seed: int = 0
     """Seed of the majority initiators, as the partial allreduce draws them."""
+    grace: float = GRACE
+    """Majority: the part of its step a round's initiator waits for the others, and the last other arrival for the
+    initiator before a bypass (``hetdp.Partial.grace``; 0: fire at once)."""
+    bypass: bool = True
+    """Majority: fire a round without its initiator when it is the only rank out and owes no round, as the drop-in's
+    ``hetdp.Partial`` does; False: the paper's rule, always waiting for the initiator."""
 
 
 @dataclass(frozen=True)
@@ -280,26 +291,52 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
     ends = np.zeros(n)
     flushing: set[int] = set()
     arrived: dict[int, None] = {}  # ranks waiting at the open round, in arrival order
-    events = [(starts[i] + costs.loop_s + compute[0][i], i, False) for i in range(n)]  # (time, rank, flushes)
+    owed: set[int] = set()  # majority: initiators bypassed that have not arrived since
+    timer: list[int] = []  # majority: the round whose grace is running, if any
+    # (time, rank, kind, round): a rank's step ends, it starts to flush, or a round's grace ends
+    events = [(starts[i] + costs.loop_s + compute[0][i], i, STEP_ENDS, -1) for i in range(n)]
     heapq.heapify(events)
 
-    def fires() -> bool:
+    def grace_s(rank: int) -> float:
+        """A grace, ``costs.grace`` of the rank's step, as the drop-in's is of its recent steps."""
+        return costs.grace * (costs.loop_s + float(compute[min(next_step[rank], len(compute) - 1)][rank]))
+
+    def wait(until_s: float) -> bool:
+        """Start the open round's grace (once), until ``until_s``; the round does not fire yet."""
+        if timer != [run.rounds]:
+            timer[:] = [run.rounds]
+            heapq.heappush(events, (until_s, -1, GRACE_ENDS, run.rounds))
+        return False
+
+    def fires(now_s: float, rank: int, graced: bool) -> bool:
+        """Whether the open round fires now; ``graced``: its grace just ran out."""
         if not arrived:
             return False
         if mode == "solo":
             return True
-        if mode == "majority":
-            leader = initiator(costs.seed, run.rounds, n)
-            return leader in flushing or leader in arrived
-        return len(arrived) + len(flushing) >= required
+        if mode != "majority":
+            return len(arrived) + len(flushing) >= required
+        leader = initiator(costs.seed, run.rounds, n)
+        if leader in flushing:
+            return True
+        last_call = graced or not costs.grace
+        if leader in arrived:  # the initiator waits its grace for the others, unless all are in
+            return len(arrived) == n or last_call or wait(now_s + grace_s(leader))
+        if costs.bypass and len(arrived) == n - 1 and not flushing and leader not in owed:
+            if last_call:
+                owed.add(leader)
+                return True
+            return wait(now_s + grace_s(rank))  # the last other arrival waits the grace for the initiator
+        return False
 
     def resume(rank: int, free_s: float) -> None:
         next_step[rank] += 1
         done = next_step[rank] >= len(compute)
         start_s = free_s if done else free_s + costs.loop_s + compute[next_step[rank]][rank]
-        heapq.heappush(events, (start_s, rank, done))
+        heapq.heappush(events, (start_s, rank, FLUSHES if done else STEP_ENDS, -1))
 
     def fire(now_s: float) -> None:
+        timer.clear()
         begin = max(now_s, run.last_round_end_s)
         run.last_round_end_s = begin + costs.round_s
         run.fresh += len(arrived)
@@ -313,8 +350,11 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
             resume(rank, run.last_round_end_s)
 
     while events:
-        now_s, rank, flushes = heapq.heappop(events)
-        if flushes:  # a flushing rank counts as arrived: it may fire the open round (majority, quorum)
+        now_s, rank, kind, round_index = heapq.heappop(events)
+        if kind == GRACE_ENDS:
+            if round_index != run.rounds:  # the round fired before its grace ran out
+                continue
+        elif kind == FLUSHES:  # a flushing rank counts as arrived: it may fire the open round (majority, quorum)
             ends[rank] = now_s
             flushing.add(rank)
         elif consumed[rank] < run.rounds:  # rounds ran since its last call: it takes them and goes on, stale
@@ -326,7 +366,8 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
             continue
         else:
             arrived[rank] = None
-        if fires():
+            owed.discard(rank)
+        if fires(now_s, rank, graced=kind == GRACE_ENDS):
             fire(now_s)
     return ends
 

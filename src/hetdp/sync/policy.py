@@ -53,6 +53,10 @@ class Partial:
     """Majority mode: the part of its recent step an initiator waits for the ranks still out (``protocol.grace_s``;
     0: the paper's rule, at once). With allocation equalizing the ranks' times, many arrive just after the
     initiator: the grace lets them in fresh, and a real straggler is still not waited for."""
+    bypass: bool = True
+    """Majority mode: a round whose initiator is the only rank still out fires without it once the others waited
+    out their grace, at most once until that initiator arrives again (``PartialConfig.bypass``; False: the paper's
+    rule, always waiting for the initiator). A transient straggler then holds up none of its rounds."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """Deadlines of the partial allreduce (see ``PartialConfig.timeouts``)."""
 
@@ -63,7 +67,7 @@ class Partial:
 
     def partial_config(self) -> PartialConfig:
         return PartialConfig(mode=self.mode, quorum=self.quorum, seed=self.seed, grace=self.grace,
-                             timeouts=self.timeouts)
+                             bypass=self.bypass, timeouts=self.timeouts)
 
     def describe(self) -> str:
         return f"quorum:{self.quorum}" if self.mode == "quorum" else self.mode

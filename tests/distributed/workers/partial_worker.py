@@ -97,6 +97,18 @@ def graced_majority(rank: int, calls: int = 12) -> list[int]:
     return contributors
 
 
+def bypassed_majority(rank: int, world_size: int, calls: int = 16) -> list[dict]:
+    """Majority rounds with bypass, the last rank late for good (200 ms a call, the others 20 ms): every round this
+    rank saw, the closing ones included."""
+    rounds = []
+    with hetdp.PartialAllreduce(1, mode="majority", timeout=30.0, seed=11, bypass=True) as partial:
+        for _ in range(calls):
+            time.sleep(0.2 if rank == world_size - 1 else 0.02)
+            rounds += [describe(result) for result in partial.allreduce(torch.ones(1)).rounds]
+        rounds += [describe(result) for result in partial.close()]
+    return rounds
+
+
 def new_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -170,6 +182,7 @@ def semantics(rank: int, world_size: int) -> dict:
                                ("full", "full", None)]:
         record[name] = random_run(rank, mode, quorum, calls=30, seed=11)
     record["majority_graced"] = graced_majority(rank)
+    record["majority_bypassed"] = bypassed_majority(rank, world_size)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     record["eager_full_equals_sync"] = eager_matches_sync(rank, pairs[rank // 2])
     record["eager_solo"] = eager_divergence(rank, "solo")

@@ -144,3 +144,14 @@ def test_the_drop_ins_majority_waits_its_grace_and_the_papers_collective_does_no
     assert PartialConfig().grace == 0.0
     assert Partial().partial_config().grace == GRACE > 0
     assert Partial(grace=0.0).partial_config().grace == 0.0
+
+
+def test_the_drop_ins_majority_bypasses_a_lone_late_initiator_and_the_papers_collective_does_not():
+    assert PartialConfig().bypass is False
+    assert Partial().partial_config().bypass is True
+    assert Partial(bypass=False).partial_config().bypass is False
+
+
+def test_a_bypass_that_is_not_a_bool_is_one_clear_error():
+    with pytest.raises(ConfigError, match="bypass must be True or False"):
+        PartialConfig(bypass="yes")

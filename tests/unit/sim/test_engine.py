@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetdp import ConfigError
+from hetdp.collectives.protocol import initiator
 from hetdp.sim.engine import LoopCosts, Strategy, simulate_strategy
 from hetdp.sim.model import STRATEGIES
 
@@ -103,3 +104,42 @@ def test_a_strategy_keeps_its_name(name):
 def test_bad_strategies_are_rejected(text, message):
     with pytest.raises(ConfigError, match=message):
         Strategy.parse(text)
+
+
+def late_initiator(seed, world_size, late_steps, delay_s=1.0):
+    """Compute of 0.01 s a sample, round 0's initiator ``delay_s`` late at each of ``late_steps``."""
+    late = initiator(seed, 0, world_size)
+
+    def compute_s(step, shares):
+        seconds = shares * 0.01
+        if step in late_steps:
+            seconds[late] += delay_s
+        return seconds
+    return compute_s
+
+
+@pytest.mark.parametrize(("bypass", "fresh"), [(True, 3 / 4), (False, 1.0)])
+def test_a_majority_round_fires_without_an_initiator_that_is_the_only_rank_out(bypass, fresh):
+    costs = LoopCosts(compute_s=late_initiator(0, 4, {0}), bypass=bypass)
+    result = run("equal+majority", costs, steps=1)
+    assert result.fresh_fraction == fresh  # bypassed, round 0 holds the three others; its initiator's goes stale
+    assert result.seconds == pytest.approx(0.16 + 1.0)  # the meeting still waits for the late rank's own step
+
+
+def test_a_bypassed_initiator_is_waited_for_at_its_next_round_until_it_arrives():
+    seed = next(s for s in range(100) if initiator(s, 0, 4) == initiator(s, 1, 4))  # rounds 0 and 1: one initiator
+    costs = LoopCosts(compute_s=late_initiator(seed, 4, {0, 1}), seed=seed)
+    result = run("equal+majority", costs, steps=2)
+    # Round 0 fires without it and its step-0 gradient goes stale; round 1 waits for it, which carries that gradient
+    # and the fresh step 1 of every rank: two rounds and the meeting's. Bypassed again, its step 1 would need a third.
+    assert result.rounds == 2 + 1
+    assert result.fresh_fraction == 7 / 8
+    assert result.seconds == pytest.approx(2 * (0.16 + 1.0))
+
+
+@pytest.mark.parametrize(("grace", "fresh"), [(0.05, 1.0), (0.0, 1 / 4)])
+def test_a_majority_initiator_waits_its_grace_for_the_ranks_just_behind(grace, fresh):
+    per_sample = np.full(4, 0.01025)  # the others 4 ms behind a 160 ms step: within a grace of 5%, 8 ms
+    per_sample[initiator(0, 0, 4)] = 0.01
+    result = run("equal+majority", LoopCosts(compute_s=fixed(per_sample), grace=grace), steps=1)
+    assert result.fresh_fraction == fresh
