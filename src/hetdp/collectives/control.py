@@ -132,7 +132,7 @@ class RoundControl:
             if self._store.check([key]):
                 return
             time.sleep(GRACE_POLL_S)
-        # Owed first, then fired: the initiator, which arrives only after this round ran, then always finds it.
+        # Owed first, then fired: the initiator's next arrival, which comes after this round ran, finds and clears it.
         self._store.set(f"owed/{leader}", str(round_index).encode())
         self._store.compare_set(key, "", GO)
 

@@ -292,7 +292,7 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
     flushing: set[int] = set()
     arrived: dict[int, None] = {}  # ranks waiting at the open round, in arrival order
     owed: set[int] = set()  # majority: initiators bypassed that have not arrived since
-    timer: list[int] = []  # majority: the round whose grace is running, if any
+    graced_round = -1  # majority: the round whose grace is running, if any
     # (time, rank, kind, round): a rank's step ends, it starts to flush, or a round's grace ends
     events = [(starts[i] + costs.loop_s + compute[0][i], i, STEP_ENDS, -1) for i in range(n)]
     heapq.heapify(events)
@@ -303,8 +303,9 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
 
     def wait(until_s: float) -> bool:
         """Start the open round's grace (once), until ``until_s``; the round does not fire yet."""
-        if timer != [run.rounds]:
-            timer[:] = [run.rounds]
+        nonlocal graced_round
+        if graced_round != run.rounds:
+            graced_round = run.rounds
             heapq.heappush(events, (until_s, -1, GRACE_ENDS, run.rounds))
         return False
 
@@ -336,7 +337,6 @@ def _partial_steps(run: _Run, first: int, end: int, starts: np.ndarray) -> np.nd
         heapq.heappush(events, (start_s, rank, FLUSHES if done else STEP_ENDS, -1))
 
     def fire(now_s: float) -> None:
-        timer.clear()
         begin = max(now_s, run.last_round_end_s)
         run.last_round_end_s = begin + costs.round_s
         run.fresh += len(arrived)
