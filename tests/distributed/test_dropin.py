@@ -33,7 +33,7 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,background,metrics")
+    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,meetings,background,metrics")
 
 
 def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
@@ -119,6 +119,12 @@ def test_partial_and_local_synchronization_meet_with_identical_replicas_and_cove
         assert figures["replans"] >= 1 and figures["shares"][3] > figures["shares"][0], (name, figures["shares"])
         # Re-plans ride meetings; one soon after the last (an epoch's end) waits: no plan from a straggler's 2 steps.
         assert figures["windows"] and min(figures["windows"]) >= MEETING_WINDOW, (name, figures["windows"])
+
+
+def test_every_rank_applies_every_round_in_flight_before_a_meeting_averages_the_replicas(out):
+    for name, figures in load(out, "meetings")[0].items():
+        assert figures["differing_steps"] > 0, name  # ranks did apply rounds at different steps
+        assert all(figures["equal_sums"]), (name, figures["equal_sums"])
 
 
 def test_adaptive_shares_re_plan_from_background_gathers_without_averaging_the_replicas(out):

@@ -317,9 +317,7 @@ class PartialAllreduce:
             HetDPError: the instance is closed.
         """
         self._ensure_open()
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.numel:
-            got = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ConfigError(f"allreduce expects a tensor of {self.numel} elements, got {got}")
+        self._check_size(tensor, "allreduce")
         deposit = self._book.deposit(tensor.detach().reshape(-1))
         if deposit.arrived:
             try:
@@ -343,19 +341,24 @@ class PartialAllreduce:
         self._ensure_open()
         return tuple(self._to_caller(result) for result in self._book.collect_completed())
 
-    def flush(self, on_round: Callable[[PartialResult], None] | None = None) -> tuple[PartialResult, ...]:
+    def flush(
+        self, on_round: Callable[[PartialResult], None] | None = None, tensor: torch.Tensor | None = None
+    ) -> tuple[PartialResult, ...]:
         """Wait until every rank flushes, then run one last round that empties every send buffer.
 
         While the others have not flushed yet, this rank counts as arrived in
-        every round (with nothing to add); the rounds they run meanwhile, then the
-        flushing round, are returned. Afterwards every rank has received the same
-        rounds and holds nothing: a safe point for other collectives (evaluation,
-        checkpoints, barriers), which could otherwise wait on a rank that waits
-        on them.
+        every round (with nothing to add but ``tensor``); the rounds they run
+        meanwhile, then the flushing round, are returned. Afterwards every rank has
+        received the same rounds and holds nothing: a safe point for other
+        collectives (evaluation, checkpoints, barriers), which could otherwise wait
+        on a rank that waits on them.
 
         Args:
             on_round: called with each of those rounds as it completes, before ``flush`` returns (EagerSGD
                 applies them there, so a rank that finished early keeps following the others).
+            tensor: a last contribution, added to the send buffer first: it travels in one of the rounds
+                returned, the flushing round at the latest, fresh unless rounds ran since the previous call. Ranks
+                that all flush with one run a step that is complete everywhere, as a synchronous allreduce is.
 
         Returns:
             The rounds this rank had not received yet, oldest first, the flushing round last.
@@ -363,9 +366,13 @@ class PartialAllreduce:
         Raises:
             PeerTimeoutError: no rank arrived and no round completed for ``timeouts.round_s`` seconds (the message
                 names a rank that has not flushed), or a peer died meanwhile.
+            ConfigError: ``tensor`` has the wrong number of elements.
             HetDPError: the instance is closed.
         """
         self._ensure_open()
+        if tensor is not None:
+            self._check_size(tensor, "flush")
+            self._book.deposit(tensor.detach().reshape(-1))
         return tuple(self._flush(on_round, FLUSH))
 
     def close(self, on_round: Callable[[PartialResult], None] | None = None) -> tuple[PartialResult, ...]:
@@ -443,6 +450,11 @@ class PartialAllreduce:
         except (dist.DistError, RuntimeError) as error:
             return PeerTimeoutError(f"round {round_index} did not fire within {round_s:g} s, and the store at "
                                     f"{self._store_address} stopped answering: {error}", timeout_s=round_s)
+
+    def _check_size(self, tensor: torch.Tensor, call: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.numel:
+            got = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ConfigError(f"{call} expects a tensor of {self.numel} elements, got {got}")
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -112,7 +112,8 @@ class ParameterAveraging(Synchronizer):
         self.total = 0
         """All ranks' samples since the last merge."""
 
-    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False
+               ) -> torch.futures.Future[torch.Tensor]:
         """Keep the local gradient: the optimizer steps on this rank's samples alone (none for a stand-in)."""
         buffer = bucket.buffer()
         if not samples:

@@ -26,8 +26,10 @@ class Synchronizer(ABC):
     rank anyway; elsewhere it would make every rank wait for rank 0 at every step."""
 
     @abstractmethod
-    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
-        """Combine one gradient bucket of a step in which this rank holds ``samples`` of the step's ``total``."""
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False
+               ) -> torch.futures.Future[torch.Tensor]:
+        """Combine one gradient bucket of a step in which this rank holds ``samples`` of the step's ``total``;
+        ``meets``: the ranks meet after this step (every rank says the same)."""
 
     def count(self, samples: int, total: int) -> None:
         """Record a finished step (``samples`` here, ``total`` over all ranks)."""

@@ -40,7 +40,8 @@ class GradientSum(Synchronizer):
         self.timeout_s = timeout_s
         self.rounds = 0
 
-    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False
+               ) -> torch.futures.Future[torch.Tensor]:
         """Weight and sum one bucket in place; the future holds the summed bucket.
 
         Raises (through the future, or at once for the last bucket):

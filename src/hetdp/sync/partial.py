@@ -33,30 +33,33 @@ class GradientRound:
     weighted_sum: torch.Tensor
     """sum_i n_i g_i over the contributions the round holds."""
     samples: float
-    """sum_i n_i: the samples behind those contributions (0 for a round of empty contributions)."""
+    """sum_i n_i: the weight behind those contributions, in samples (``EagerSGD``) or in parts of a step (the drop-in:
+    a contribution's samples over its step's); 0 for a round of empty contributions."""
     result: PartialResult
     """The round itself: its index, contributors, parts and whether this rank's tensor is fresh in it."""
 
     def mean(self) -> torch.Tensor:
-        """The sample-weighted mean gradient of the round (zeros if it holds no sample)."""
+        """The weighted mean gradient of the round (zeros if it holds no weight)."""
         return self.weighted_sum / self.samples if self.samples else torch.zeros_like(self.weighted_sum)
 
 
-def combine(rounds: Sequence[GradientRound], like: torch.Tensor, step_samples: int) -> torch.Tensor:
-    """The gradient of one step that applies several rounds: each round's sample-weighted mean, counted as the
-    part of a step of ``step_samples`` that its samples are.
+def combine(rounds: Sequence[GradientRound], like: torch.Tensor) -> torch.Tensor:
+    """The gradient of one step that applies several rounds whose contributions are weighted by the part of their
+    own step they are (a rank's samples over the step's): the sum of the rounds' weighted sums.
 
     Every sample then moves the model as much as in a synchronous step (the eager-SGD
     paper's sum / P, with samples for calls): a round that holds a slow rank's 8 of 64
     samples is an eighth of a step, not a whole one on 8 samples' noise; a rank that
     lagged and receives three full rounds at once moves three steps' worth, as a rank
-    that applied them one by one (with plain SGD, exactly as far); and a round that
-    holds the whole step (all ranks fresh) is exactly the synchronous gradient.
+    that applied them one by one (with plain SGD, exactly as far); a round that holds
+    the whole step (all ranks fresh) is exactly the synchronous gradient; and a
+    contribution to a full step that a rank applies in the epoch's short last step
+    still counts as its part of the full step.
     """
     gradient = torch.zeros_like(like)
     for gradient_round in rounds:
         gradient += gradient_round.weighted_sum
-    return gradient / step_samples
+    return gradient
 
 
 class PartialGradients(Synchronizer):
@@ -69,11 +72,11 @@ class PartialGradients(Synchronizer):
 
     As the drop-in's synchronization, each step's gradient buckets are pooled into
     one contribution at the last bucket, and the step applies every round the call
-    returned, each counted as the part of a step its samples are (``combine``). Every ``sync_every`` steps and at each
-    epoch's end the ranks *meet*: they flush the rounds in flight (kept for the next
-    step, so no gradient is lost) and average their parameters, since a rank that
-    applies several rounds in one step of a stateful optimizer drifts slightly from
-    one that applied them in separate steps.
+    returned, each contribution counted as the part of its step its samples are (``combine``). Every ``sync_every`` steps and at each
+    epoch's end the ranks *meet*: the step before contributes in a flush, so every
+    rank applies every round still in flight in that step, and then they average their
+    parameters, since a rank that applies several rounds in one step of a stateful
+    optimizer drifts slightly from one that applied them in separate steps.
 
     .. warning::
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
@@ -115,21 +118,29 @@ class PartialGradients(Synchronizer):
     # --- the partial allreduce of gradients ----------------------------------------------------------------
 
     def contribute(self, flat: torch.Tensor, samples: float = 1.0) -> list[GradientRound]:
-        """Add ``flat`` (the mean gradient over ``samples``) and return the rounds the call completes, oldest first.
+        """Add ``flat`` (a mean gradient) weighted by ``samples`` (its samples, or its part of a step), and return the
+        rounds the call completes, oldest first.
 
         Raises:
             PeerTimeoutError: a peer died or did not arrive in time.
         """
-        payload = torch.cat([flat.detach().reshape(-1) * samples, flat.new_full((1,), float(samples))])
-        return self._rounds(self.partial.allreduce(payload).rounds)
+        return self._rounds(self.partial.allreduce(self._payload(flat, samples)).rounds)
 
     def poll(self) -> list[GradientRound]:
         """The rounds completed since the last call, without contributing or waiting."""
         return self._rounds(self.partial.poll())
 
-    def flush(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:
-        """Collective: the rounds this rank has not received, then one that empties every send buffer."""
-        return self._rounds(self.partial.flush(self._forward(on_round)))
+    def flush(self, on_round: Callable[[GradientRound], None] | None = None, flat: torch.Tensor | None = None,
+              samples: float = 1.0) -> list[GradientRound]:
+        """Collective: the rounds this rank has not received, then one that empties every send buffer; ``flat``
+        (weighted by ``samples``, as in ``contribute``), if given, is contributed first and travels in one of them."""
+        tensor = None if flat is None else self._payload(flat, samples)
+        return self._rounds(self.partial.flush(self._forward(on_round), tensor))
+
+    @staticmethod
+    def _payload(flat: torch.Tensor, samples: float) -> torch.Tensor:
+        """``[n g, n]``: a gradient weighted by its samples, and the samples, so that rounds sum both."""
+        return torch.cat([flat.detach().reshape(-1) * samples, flat.new_full((1,), float(samples))])
 
     def _forward(self, on_round: Callable[[GradientRound], None] | None) -> Callable[[PartialResult], None] | None:
         return None if on_round is None else lambda result: on_round(self._round(result))
@@ -143,15 +154,24 @@ class PartialGradients(Synchronizer):
 
     # --- as the drop-in's synchronization ------------------------------------------------------------------
 
-    def reduce(self, bucket: dist.GradBucket, samples: int, total: int) -> torch.futures.Future[torch.Tensor]:
-        """Pool the step's buckets; at the last one, contribute them and fill every bucket with the rounds' mean."""
+    def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False
+               ) -> torch.futures.Future[torch.Tensor]:
+        """Pool the step's buckets; at the last one, contribute them and fill every bucket with the rounds' mean.
+
+        Before a meeting (``meets``) the contribution goes in a flush instead, so that the step returns every round
+        still in flight: all ranks then apply the same rounds in this step, and the parameters they average at the
+        meeting hold the same gradients. Averaged while some ranks still carried rounds that others had applied,
+        those rounds would count more than once on some replicas and partly on others.
+        """
         pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._buckets.append((bucket.buffer(), pending))
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
             flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
-            rounds, self.carried = self.carried + self.contribute(flat, samples), []
-            gradient = combine(rounds, flat, total)
+            part = samples / total
+            fresh = self.flush(flat=flat, samples=part) if meets else self.contribute(flat, part)
+            rounds, self.carried = self.carried + fresh, []
+            gradient = combine(rounds, flat)
             offset = 0
             for buffer, future in buckets:
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
@@ -174,7 +194,11 @@ class PartialGradients(Synchronizer):
         return max(deadline - time.monotonic(), 0.0)
 
     def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Flush the rounds in flight (applied with the next step) and average the parameters equally."""
+        """Flush the rounds in flight (applied with the next step) and average the parameters equally.
+
+        After a step that ``reduce`` flushed (``meets``), no round is left in flight and the replicas hold the same
+        gradients. A meeting nobody foresaw (``DDP.synchronize()`` from the loop) averages replicas that may differ
+        by the rounds some of them still carry."""
         self.carried += self.flush()
         return average_parameters(model, 1.0 / self.world_size, group=self.group, timeout_s=self.timeout_s,
                                   carry=carry)

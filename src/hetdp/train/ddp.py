@@ -72,13 +72,15 @@ class _HookState:
         self.synchronizer = synchronizer
         self.world_size = world_size
         self.samples, self.total = 1, world_size  # outside a step: plain DDP's mean over ranks
+        self.meets = False
+        """Whether the ranks meet after this step (the synchronization then completes the step everywhere)."""
         self.reached = False
         """Whether this step's gradient has reached the synchronization (a heartbeat's progress tells)."""
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         self.reached = True
         self.clock.mark_ready(bucket.is_last())
-        return self.synchronizer.reduce(bucket, self.samples, self.total).then(self._synced)
+        return self.synchronizer.reduce(bucket, self.samples, self.total, self.meets).then(self._synced)
 
     def _synced(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         self.clock.mark_synced()
@@ -377,8 +379,19 @@ class DistributedDataParallel(TorchDDP):
             self.begin_epoch(ticket.epoch)
         self._open = _OpenStep(ticket, ticket.total if total is None else total)
         self._hook.samples, self._hook.total = ticket.samples, self._open.total
+        self._hook.meets = self._meets_after(ticket)
         if ticket.weights is not None:  # cost-balanced steps: weigh each rank by its part of the step's cost
             self._hook.samples, self._hook.total = ticket.weights[ticket.rank], sum(ticket.weights)
+
+    def _meets_after(self, ticket: StepTicket) -> bool:
+        """Whether the ranks will meet after the step of ``ticket`` (every rank gives the same answer): every
+        ``sync_every`` steps, at the epoch's end and before a checkpoint. ``end_step``, ``end_epoch`` and the
+        checkpointer then meet; knowing it before the step's gradient lets the synchronization complete the step
+        everywhere first."""
+        if self.synchronizer.meets_every_step:
+            return False
+        checkpoint = self._checkpointer is not None and self._checkpointer.saves_after(self.steps_done + 1)
+        return ticket.last or checkpoint or self.synchronizer.due(self._since_meeting + 1)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         step = self._open
@@ -408,7 +421,7 @@ class DistributedDataParallel(TorchDDP):
         step, self._open = self._open, None
         if step is None:
             raise ConfigError("end_step() without an open step (call begin_step first)")
-        self._hook.samples, self._hook.total, self._hook.reached = 1, self.world_size, False
+        self._hook.samples, self._hook.total, self._hook.reached, self._hook.meets = 1, self.world_size, False, False
         ticket = step.ticket
         compute_s = self.clock.compute_s() if step.started else 0.0
         wait_s = self.clock.wait_s() if step.started else 0.0

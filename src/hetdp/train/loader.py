@@ -46,6 +46,8 @@ class StepTicket:
     """What every rank's gradient is weighted by, where it is not its samples (``CostBalance(mean_over="cost")``)."""
     shares: tuple[int, ...] | None = None
     """The shares a full cost-packed step was cut by (its ``block`` then counts samples, not shares)."""
+    last: bool = False
+    """The epoch's last step: the ranks meet after it, where their synchronization meets per epoch."""
 
     @property
     def samples(self) -> int:
@@ -147,7 +149,8 @@ class StepSampler:
                 yield self._cost_step(order[first : first + count], shares, index)
                 continue
             block = tuple(split_step(shares, count))
-            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank)
+            ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank,
+                                last=index == self.steps_per_epoch - 1)
             self.tickets.append(ticket)
             self.next_step += 1
             offset = first + sum(block[: self.rank])
@@ -170,7 +173,8 @@ class StepSampler:
         ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, rank=self.rank,
                             block=tuple(len(block) for block in positions), cost=spent,
                             weights=spent if self.cost.mean_over == "cost" else None,
-                            shares=tuple(shares) if full and self.cost.pack else None)
+                            shares=tuple(shares) if full and self.cost.pack else None,
+                            last=index == self.steps_per_epoch - 1)
         self.tickets.append(ticket)
         self.next_step += 1
         mine = [indices[p] for p in positions[self.rank]]

@@ -95,9 +95,13 @@ class Checkpointer:
 
     # --- saving ------------------------------------------------------------------------------------------------
 
+    def saves_after(self, steps_done: int) -> bool:
+        """Whether the step that makes the count ``steps_done`` ends in a save (a multiple of ``every``)."""
+        return steps_done % self.every == 0
+
     def step_ended(self) -> None:
         """The model's step hook: save when the step count reaches a multiple of ``every``."""
-        if self.model.steps_done % self.every == 0:
+        if self.saves_after(self.model.steps_done):
             self.save()
 
     def save(self) -> Path | None:

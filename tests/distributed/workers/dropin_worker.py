@@ -147,6 +147,33 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
                 "samples": [r.samples for r in model.epoch_reports], "shares": model.shares,
                 "replans": model.allocator.replans, "dataset": len(loader.dataset), "windows": windows}
             model.close()
+    elif scenario == "meetings":
+        # Plain SGD at a constant rate: a replica moves by the sum of the gradients it applied. Under partial rounds
+        # with a straggler, ranks apply rounds at different steps, yet before each meeting every rank has applied
+        # every round: the gradients each applied since the last meeting sum to the same. A straggler's delay of
+        # several steps makes it receive several rounds in one step.
+        straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=60.0)
+        for sync in (hetdp.Partial(mode="majority", sync_every=4), hetdp.Partial(mode="solo")):
+            model = hetdp.DDP(make_model(), "equal", sync, emulation=straggling)
+            loader = model.allocate(loader_for(Pairs(300), batch_size=8))  # 10 steps: meetings after 4, 8 and 10
+            optimizer = make_optimizer(model, "sgd")
+            parameters = list(model.module.parameters())
+            applied = []  # gathered only after the loop: a collective per step would keep the ranks in step
+            for batch in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+                optimizer.step()
+                applied.append(torch.cat([p.grad.reshape(-1) for p in parameters]))
+            mine = torch.stack(applied)
+            gathered = [torch.empty_like(mine) for _ in range(model.world_size)]
+            dist.all_gather(gathered, mine)
+            differing = sum(not all(torch.equal(g[step], mine[step]) for g in gathered) for step in range(len(mine)))
+            ends = [step for step in range(1, len(mine) + 1)
+                    if (sync.sync_every and step % sync.sync_every == 0) or step == len(mine)]
+            sums = [all(torch.allclose(g[start:end].sum(0), mine[start:end].sum(0), rtol=0.0, atol=1e-5)
+                        for g in gathered) for start, end in zip([0, *ends], ends)]
+            result[model.sync.describe()] = {"equal_sums": sums, "differing_steps": differing}
+            model.close()
     elif scenario == "background":
         # Local averaging per epoch with adaptive shares, a prefetching loader: plans come from background gathers,
         # so the replicas stay apart until the epoch's end, and every rank cuts every step by the same shares.
