@@ -21,11 +21,13 @@ over the run (cosine).
 
 One run's curve is noisy near its plateau: from one initial model to another, the
 final accuracy of the same recipe varies by about a point, the very margin the
-target is read at. So every pairing runs ``--repeats`` times (3; one with
-``--quick``, to stay within its two minutes), each repeat from its own initial
-model, data order and straggler draws, the same for every pairing, and the
-figures are read off the mean of their curves, as the eager-SGD paper averages
-four runs (section 7.3); each repeat's own figures are reported too.
+target is read at. So every pairing runs ``--repeats`` times (3), each repeat
+from its own initial model, data order and straggler draws, the same for every
+pairing, and the figures are read off the mean of their curves, as the eager-SGD
+paper averages four runs (section 7.3); each repeat's own figures are reported
+too. The repeats run at once, each on its own group of ranks in one launch: the
+emulated devices spend their steps asleep, so three groups share two cores
+without slowing each other, and ``--quick`` keeps within its two minutes.
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -33,7 +35,7 @@ Run as a module under torchrun it is the worker; imported, it is the benchmark.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import datetime
 import json
 import statistics
 import sys
@@ -70,6 +72,8 @@ SNAPSHOT_EVERY = 2
 SMOOTHING = 5
 """Accuracy is the mean over this many consecutive snapshots (the test set's 360 images make one noisy), both
 for the final accuracy and for the curve the time to accuracy is read off."""
+WAIT_S = 1800.0
+"""How long a group that finished waits for the others at the end."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
     parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
     parser.add_argument("--repeats", type=positive_int,
-                        help="runs of every pairing, the figures read off their mean curves (default 3; --quick 1)")
+                        help="runs of every pairing, at once on groups of ranks of their own, the figures read off "
+                        "their mean curves (default 3)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,13 +116,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.global_batch < nproc:
         raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
     epochs = args.epochs or (4 if args.quick else 8)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or 3
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
                    "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--repeats", repeats,
                    "--seed", args.seed]
-    raw = launch_workers("hetdp.bench.compose", nproc, worker_args, total=repeats * len(PAIRINGS) * epochs * steps,
+    raw = launch_workers("hetdp.bench.compose", nproc * repeats, worker_args, total=len(PAIRINGS) * epochs * steps,
                          description="steps", unit="step")
     return summarize(raw, speeds, quorum)
 
@@ -232,38 +237,45 @@ def _worker(argv: list[str]) -> None:
 
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
+    speeds = parse_speeds(args.speeds)
+    nproc = len(speeds)
+    # Repeat r trains on ranks r * nproc ... (r + 1) * nproc - 1; the groups wait for each other only at the end.
+    everyone = dist.new_group(timeout=datetime.timedelta(seconds=WAIT_S))
+    groups = [dist.new_group(list(range(first, first + nproc))) for first in range(0, world_size, nproc)]
+    repeat = rank // nproc
+    seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
     progress = EventWriter(enabled=rank == 0)
     split = _standardized(load_digits(seed=args.seed))  # one split for every run: the repeats vary the rest
-    devices = Emulation(speeds=parse_speeds(args.speeds, world_size), sample_cost_ms=args.sample_cost_ms,
-                        straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms)
-    runs: dict[str, list[dict[str, Any]]] = {f"{allocation}+{sync}": [] for allocation, sync in PAIRINGS}
-    for repeat in range(args.repeats):  # the repeats outermost: a slow spell of the machine spreads over pairings
-        seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
-        emulation = dataclasses.replace(devices, seed=seed)  # the repeat's own straggler draws
-        for allocation, sync in PAIRINGS:
-            runs[f"{allocation}+{sync}"].append(_train(args, split, allocation, sync, emulation, progress, seed))
+    emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=seed,  # the repeat's own draws
+                          straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms)
+    runs = {f"{allocation}+{sync}": _train(args, split, allocation, sync, emulation, groups[repeat], progress, seed)
+            for allocation, sync in PAIRINGS}
+    gathered: list[dict[str, Any] | None] = [None] * world_size
+    dist.gather_object(runs if rank % nproc == 0 else None, gathered if rank == 0 else None, group=everyone)
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
-        args.out.write_text(json.dumps({"settings": settings, "runs": runs}))
+        repeats = [runs_ for runs_ in gathered if runs_ is not None]
+        args.out.write_text(json.dumps({"settings": settings,
+                                        "runs": {name: [runs_[name] for runs_ in repeats] for name in runs}}))
     dist.destroy_process_group()
 
 
 def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,
-           progress: EventWriter, seed: int) -> dict[str, Any]:
-    """One pairing in a user's loop from ``seed``'s initial model and data order; rank 0 keeps timed snapshots,
-    evaluated once training is over."""
+           group: dist.ProcessGroup, progress: EventWriter, seed: int) -> dict[str, Any]:
+    """One pairing on ``group`` in a user's loop from ``seed``'s initial model and data order; the group's first
+    rank keeps timed snapshots, evaluated once training is over."""
     torch.manual_seed(seed)
     net = ConvNet()
     spec = (Partial(mode="quorum", quorum=args.quorum, sync_every=args.sync_every) if sync == "quorum" else
             Partial(mode=sync, sync_every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
-    model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation)
-    loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size,
-                                       sampler=DistributedSampler(split.train, seed=seed)))
+    model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation, process_group=group)
+    sampler = DistributedSampler(split.train, num_replicas=model.world_size, rank=model.rank, seed=seed)
+    loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size, sampler=sampler))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
     trained_s, steps = 0.0, 0
-    dist.barrier()
+    dist.barrier(group=group)
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         started = time.perf_counter()
@@ -280,10 +292,10 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
             progress.update()
         trained_s += time.perf_counter() - started  # the epoch's end, a meeting in partial pairings, included
         snapshots.append((trained_s, _copy(net)))
-    shares = model.shares
+    shares, evaluates = model.shares, model.rank == 0  # every rank copies alike, to be timed alike
     model.close()
     times, accuracies = [], []
-    for seconds, state in snapshots:
+    for seconds, state in snapshots if evaluates else ():
         net.load_state_dict(state)
         times.append(seconds)
         accuracies.append(accuracy(net, split.test))

@@ -1,0 +1,26 @@
+"""hetdp bench compose's launch: its repeats train at once, each on a group of ranks of its own."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetdp.bench.compose import PAIRINGS, run
+
+
+def test_repeats_train_at_once_on_groups_of_their_own_from_their_own_seeds():
+    args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
+                              sync_every=0, quorum=None, lr=0.05, repeats=2, quick=False, seed=0)
+    result = run(args)  # 4 ranks: repeat 0 on ranks 0-1, repeat 1 on ranks 2-3
+    assert result["repeats"] == 2 and len(result["runs"]) == len(PAIRINGS)
+    for name, repeats in result["runs"].items():
+        assert len(repeats) == 2, name
+        for run_ in repeats:  # snapshots every 2 of the epoch's 45 steps, and at its end
+            assert len(run_["accuracy"]) == len(run_["time_s"]) == 23, name
+            assert run_["time_s"] == sorted(run_["time_s"]) and sum(run_["shares"]) == 32, (name, run_)
+        # Each repeat from its own initial model and data order: their curves differ.
+        assert repeats[0]["accuracy"] != repeats[1]["accuracy"], name
+    # Within a repeat every pairing starts from the same model: both allreduce pairings follow one curve (exact
+    # gradients), whatever their shares.
+    equal, adaptive = result["runs"]["equal+allreduce"], result["runs"]["adaptive+allreduce"]
+    for first, second in zip(equal, adaptive):
+        assert max(abs(a - b) for a, b in zip(first["accuracy"], second["accuracy"])) <= 0.02
