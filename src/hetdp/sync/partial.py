@@ -72,11 +72,12 @@ class PartialGradients(Synchronizer):
 
     As the drop-in's synchronization, each step's gradient buckets are pooled into
     one contribution at the last bucket, and the step applies every round the call
-    returned, each contribution counted as the part of its step its samples are (``combine``). Every ``sync_every`` steps and at each
-    epoch's end the ranks *meet*: the step before contributes in a flush, so every
-    rank applies every round still in flight in that step, and then they average their
-    parameters, since a rank that applies several rounds in one step of a stateful
-    optimizer drifts slightly from one that applied them in separate steps.
+    returned, each contribution counted as the part of its step its samples are
+    (``combine``). Every ``sync_every`` steps and at each epoch's end the ranks
+    *meet*: the step before contributes in a flush, so every rank applies every
+    round still in flight in that step, and then they average their parameters,
+    since a rank that applies several rounds in one step of a stateful optimizer
+    drifts slightly from one that applied them in separate steps.
 
     .. warning::
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
@@ -113,6 +114,10 @@ class PartialGradients(Synchronizer):
         self.timeout_s = timeout_s
         self._buckets: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
         self.carried: list[GradientRound] = []
+        self._flushed = False
+        """Whether the last step ended in a flush: then no rank carries a round the others applied."""
+        self._owed: torch.Tensor | None = None
+        """What an unforeseen meeting left every rank to apply with its next step (the same on every rank)."""
         """Rounds received between steps (flushed at a meeting, or in ``standby``), applied with the next step."""
 
     # --- the partial allreduce of gradients ----------------------------------------------------------------
@@ -170,8 +175,11 @@ class PartialGradients(Synchronizer):
             flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
             part = samples / total
             fresh = self.flush(flat=flat, samples=part) if meets else self.contribute(flat, part)
-            rounds, self.carried = self.carried + fresh, []
+            rounds, self.carried, self._flushed = self.carried + fresh, [], meets
             gradient = combine(rounds, flat)
+            if self._owed is not None:
+                gradient += self._owed
+                self._owed = None
             offset = 0
             for buffer, future in buckets:
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
@@ -194,14 +202,27 @@ class PartialGradients(Synchronizer):
         return max(deadline - time.monotonic(), 0.0)
 
     def meet(self, model: nn.Module, carry: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Flush the rounds in flight (applied with the next step) and average the parameters equally.
+        """Flush the rounds in flight and average the parameters equally; ``carry`` rides along, summed.
 
         After a step that ``reduce`` flushed (``meets``), no round is left in flight and the replicas hold the same
-        gradients. A meeting nobody foresaw (``DDP.synchronize()`` from the loop) averages replicas that may differ
-        by the rounds some of them still carry."""
+        gradients. At a meeting nobody foresaw (``DDP.synchronize()`` from the loop, an epoch the loop left early)
+        each rank still carries the rounds it has not received, which others applied: the average holds each such
+        round as far as the replicas that applied it, so every rank applies the rest, the mean over the ranks of
+        what they carry, with its next step, and the replicas stay one model.
+        """
         self.carried += self.flush()
-        return average_parameters(model, 1.0 / self.world_size, group=self.group, timeout_s=self.timeout_s,
-                                  carry=carry)
+        weight = 1.0 / self.world_size
+        if self._flushed:
+            self._flushed = False
+            return average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s, carry=carry)
+        carried, self.carried = combine(self.carried, self._nothing) * weight, []
+        figures = (carry.to(torch.float64).reshape(-1) if carry is not None
+                   else carried.new_zeros(0, dtype=torch.float64))
+        summed = average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s,
+                                    carry=torch.cat([figures, carried.to(figures)]))
+        owed = summed[figures.numel() :].to(self._nothing)  # type: ignore[index]
+        self._owed = owed if self._owed is None else self._owed + owed
+        return summed[: figures.numel()] if carry is not None else None  # type: ignore[index]
 
     def close(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:  # type: ignore[override]
         """Flush and stop the partial allreduce (idempotent; every rank calls it)."""

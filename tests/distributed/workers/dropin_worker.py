@@ -83,6 +83,20 @@ def record_replan_windows(allocator: Allocator) -> list[int]:
     return windows
 
 
+def record_meetings(model: hetdp.DDP, applied: list) -> list[tuple[int, bool]]:
+    """(steps applied, announced) at each meeting of ``model`` (filled as the run goes; the loop marks the meetings
+    it calls itself, and deletes the recorder when done)."""
+    meetings: list[tuple[int, bool]] = []
+    meet = model.synchronizer.meet
+
+    def recorded(*args, **kwargs):
+        meetings.append((len(applied), True))
+        return meet(*args, **kwargs)
+
+    model.synchronizer.meet = recorded
+    return meetings
+
+
 def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
     out: Path = args.out
     result: dict = {}
@@ -151,28 +165,34 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         # Plain SGD at a constant rate: a replica moves by the sum of the gradients it applied. Under partial rounds
         # with a straggler, ranks apply rounds at different steps, yet before each meeting every rank has applied
         # every round: the gradients each applied since the last meeting sum to the same. A straggler's delay of
-        # several steps makes it receive several rounds in one step.
+        # several steps makes it receive several rounds in one step. The loop also meets once unannounced
+        # (synchronize), where ranks still carry different rounds: from there on, the sums agree again.
         straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=60.0)
-        for sync in (hetdp.Partial(mode="majority", sync_every=4), hetdp.Partial(mode="solo")):
+        for sync, unannounced in ((hetdp.Partial(mode="majority", sync_every=4), 6), (hetdp.Partial(mode="solo"), 5)):
             model = hetdp.DDP(make_model(), "equal", sync, emulation=straggling)
-            loader = model.allocate(loader_for(Pairs(300), batch_size=8))  # 10 steps: meetings after 4, 8 and 10
+            loader = model.allocate(loader_for(Pairs(300), batch_size=8))  # 10 steps
             optimizer = make_optimizer(model, "sgd")
             parameters = list(model.module.parameters())
             applied = []  # gathered only after the loop: a collective per step would keep the ranks in step
-            for batch in loader:
+            meetings = record_meetings(model, applied)
+            for step, batch in enumerate(loader, start=1):
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
                 optimizer.step()
                 applied.append(torch.cat([p.grad.reshape(-1) for p in parameters]))
+                if step == unannounced:
+                    model.synchronize()
+                    meetings[-1] = (step, False)
+            del model.synchronizer.meet  # the recorder's cycle would keep gloo's group for a forked worker's GC
             mine = torch.stack(applied)
             gathered = [torch.empty_like(mine) for _ in range(model.world_size)]
             dist.all_gather(gathered, mine)
             differing = sum(not all(torch.equal(g[step], mine[step]) for g in gathered) for step in range(len(mine)))
-            ends = [step for step in range(1, len(mine) + 1)
-                    if (sync.sync_every and step % sync.sync_every == 0) or step == len(mine)]
+            starts = [0] + [end for end, _ in meetings]
             sums = [all(torch.allclose(g[start:end].sum(0), mine[start:end].sum(0), rtol=0.0, atol=1e-5)
-                        for g in gathered) for start, end in zip([0, *ends], ends)]
-            result[model.sync.describe()] = {"equal_sums": sums, "differing_steps": differing}
+                        for g in gathered) for start, (end, announced) in zip(starts, meetings) if announced]
+            result[model.sync.describe()] = {"equal_sums": sums, "differing_steps": differing,
+                                             "meetings": meetings}
             model.close()
     elif scenario == "background":
         # Local averaging per epoch with adaptive shares, a prefetching loader: plans come from background gathers,
