@@ -114,11 +114,11 @@ class PartialGradients(Synchronizer):
         self.timeout_s = timeout_s
         self._buckets: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
         self.carried: list[GradientRound] = []
+        """Rounds received between steps (flushed at a meeting, or in ``standby``), applied with the next step."""
         self._flushed = False
         """Whether the last step ended in a flush: then no rank carries a round the others applied."""
-        self._owed: torch.Tensor | None = None
-        """What an unforeseen meeting left every rank to apply with its next step (the same on every rank)."""
-        """Rounds received between steps (flushed at a meeting, or in ``standby``), applied with the next step."""
+        self._owed = payload.new_zeros(numel)
+        """What unforeseen meetings left every rank to apply with its next step (the same on every rank)."""
 
     # --- the partial allreduce of gradients ----------------------------------------------------------------
 
@@ -176,10 +176,8 @@ class PartialGradients(Synchronizer):
             part = samples / total
             fresh = self.flush(flat=flat, samples=part) if meets else self.contribute(flat, part)
             rounds, self.carried, self._flushed = self.carried + fresh, [], meets
-            gradient = combine(rounds, flat)
-            if self._owed is not None:
-                gradient += self._owed
-                self._owed = None
+            gradient = combine(rounds, flat) + self._owed
+            self._owed.zero_()
             offset = 0
             for buffer, future in buckets:
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
@@ -216,13 +214,11 @@ class PartialGradients(Synchronizer):
             self._flushed = False
             return average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s, carry=carry)
         carried, self.carried = combine(self.carried, self._nothing) * weight, []
-        figures = (carry.to(torch.float64).reshape(-1) if carry is not None
-                   else carried.new_zeros(0, dtype=torch.float64))
+        figures = torch.zeros(0, dtype=torch.float64) if carry is None else carry.to(torch.float64).reshape(-1)
         summed = average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s,
                                     carry=torch.cat([figures, carried.to(figures)]))
-        owed = summed[figures.numel() :].to(self._nothing)  # type: ignore[index]
-        self._owed = owed if self._owed is None else self._owed + owed
-        return summed[: figures.numel()] if carry is not None else None  # type: ignore[index]
+        self._owed += summed[figures.numel() :].to(self._owed)  # type: ignore[index]
+        return None if carry is None else summed[: figures.numel()]  # type: ignore[index]
 
     def close(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:  # type: ignore[override]
         """Flush and stop the partial allreduce (idempotent; every rank calls it)."""
