@@ -65,14 +65,15 @@ def average_parameters(
     """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
 
     The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
-    contributes nothing and receives the merged model. ``carry`` (float64 figures)
+    contributes nothing and receives the merged model. ``carry`` (float64 figures, on any device)
     rides along in the same collective, summed unweighted, and is returned.
 
     Raises:
         PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
     tensors = float_state(model)
-    parts = [flatten(tensors) * weight] + ([carry.to(torch.float64).reshape(-1)] if carry is not None else [])
+    merged = flatten(tensors) * weight
+    parts = [merged] + ([carry.to(merged.device, torch.float64).reshape(-1)] if carry is not None else [])
     flat = torch.cat(parts)
     wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s, group)
     unflatten_into(tensors, flat)
