@@ -16,6 +16,7 @@ def test_repeats_train_at_once_on_groups_of_their_own_from_their_own_seeds():
         assert len(repeats) == 2, name
         for run_ in repeats:  # snapshots every 2 of the epoch's 45 steps, and at its end
             assert len(run_["accuracy"]) == len(run_["time_s"]) == 23, name
+            assert run_["steps"] == [*range(2, 45, 2), 45], name
             assert run_["time_s"] == sorted(run_["time_s"]) and sum(run_["shares"]) == 32, (name, run_)
         # Each repeat from its own initial model and data order: their curves differ.
         assert repeats[0]["accuracy"] != repeats[1]["accuracy"], name

@@ -7,6 +7,8 @@ import pytest
 from hetdp.bench.compose import PAIRINGS, render, summarize
 
 SNAPSHOTS = 10
+STEPS = [2, 4, 6, 8, 9, 11, 13, 15, 17, 18]
+"""Steps trained at each snapshot: every two, and at the ends of epochs of 9 steps (as the bench snapshots)."""
 
 
 def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: float = 100.0) -> dict:
@@ -14,6 +16,7 @@ def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: flo
     good = SNAPSHOTS if first_good is None else first_good
     return {"time_s": [seconds_per_snapshot * (i + 1) for i in range(SNAPSHOTS)],
             "accuracy": [0.0 if i < good else 1.0 for i in range(SNAPSHOTS)],
+            "steps": [STEPS[i] for i in range(SNAPSHOTS)],
             "shares": [16, 16, 16, 16], "samples_per_s": samples_per_s}
 
 
@@ -72,3 +75,20 @@ def test_one_run_reports_its_figures_once():
     assert result["per_repeat"]["speedup_vs_best_single_axis"] == [result["speedup_vs_best_single_axis"]]
     assert result["speedup_vs_best_single_axis"] == pytest.approx(7 / 6)
     assert "run by run" not in render(result) and "runs" not in render(result)
+
+
+def test_the_steps_to_accuracy_are_read_at_the_same_crossing_as_the_time():
+    result = _figures(BASE)
+    assert result["steps_to_accuracy"]["adaptive+allreduce"] == 13  # the snapshot at 1.5 * 7 s
+    assert result["steps_to_accuracy"]["adaptive+majority"] == 15  # the one at 1.5 * 8 s
+    assert result["steps_to_accuracy"]["equal+majority"] is None
+
+
+def test_the_render_takes_the_speedup_apart_into_pace_and_steps():
+    text = render(_figures(BASE))
+    # adaptive+majority: 15 steps in 12 s against adaptive+allreduce's 13 in 10.5 s; the product is the speedup 7/8.
+    pace, steps = (15 / 12) / (13 / 10.5), 15 / 13
+    assert pace / steps == pytest.approx(7 / 8)
+    assert (f"takes {pace:.2f}x the steps per second of adaptive+allreduce up to the target and needs {steps:.2f}x its "
+            f"steps") in text
+    assert "steps per second" not in render(_figures({**BASE, "adaptive+majority": (1, None)}))

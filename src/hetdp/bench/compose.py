@@ -10,10 +10,12 @@ adaptive + majority and adaptive + quorum.
 
 Figures: the time to accuracy, the training time until rank 0's model first
 reaches the final accuracy of the synchronous run (equal + allreduce) less one
-point; samples per second, which flatters the stale modes; and the final
-accuracies. ``speedup_vs_best_single_axis`` is how much sooner adaptive +
-majority gets there than the better of adaptive + allreduce and equal +
-majority. Snapshots of the model are taken every few steps and evaluated after
+point, and the steps it took; samples per second, which flatters the stale
+modes; and the final accuracies. ``speedup_vs_best_single_axis`` is how much
+sooner adaptive + majority gets there than the better of adaptive + allreduce
+and equal + majority: its pace up to the target (steps per second) over that
+pairing's, divided by the ratio of their steps, since stale gradients buy pace
+with steps. Snapshots of the model are taken every few steps and evaluated after
 training, so evaluation costs no training time. Every pairing trains with the
 same recipe, a user's loop as any: inputs standardized with the training set's
 mean and deviation, SGD with momentum from a learning rate of 0.05 decayed to 0
@@ -74,6 +76,8 @@ SMOOTHING = 5
 for the final accuracy and for the curve the time to accuracy is read off."""
 WAIT_S = 1800.0
 """How long a group that finished waits for the others at the end."""
+Curve = tuple[list[float], list[float], list[int]]
+"""A run's snapshots, or their mean over repeats: training seconds, accuracies, and steps trained at each."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,8 +141,8 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
     runs = {_name(a, s, quorum): raw["runs"][f"{a}+{s}"] for a, s in PAIRINGS}
     count = len(next(iter(runs.values())))
     mean = _figures({name: _mean_curve(repeats) for name, repeats in runs.items()})
-    by_run = [_figures({name: (repeats[i]["time_s"], repeats[i]["accuracy"]) for name, repeats in runs.items()})
-              for i in range(count)]
+    by_run = [_figures({name: (repeats[i]["time_s"], repeats[i]["accuracy"], repeats[i]["steps"])
+                        for name, repeats in runs.items()}) for i in range(count)]
     return {
         "speeds": list(speeds),
         "pairings": list(runs),
@@ -156,26 +160,29 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
     }
 
 
-def _mean_curve(repeats: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+def _mean_curve(repeats: list[dict[str, Any]]) -> Curve:
     """Snapshot times and accuracies averaged over the repeats, which all snapshot at the same steps."""
     return ([statistics.fmean(times) for times in zip(*(run_["time_s"] for run_ in repeats))],
-            [statistics.fmean(accuracies) for accuracies in zip(*(run_["accuracy"] for run_ in repeats))])
+            [statistics.fmean(accuracies) for accuracies in zip(*(run_["accuracy"] for run_ in repeats))],
+            repeats[0]["steps"])
 
 
-def _figures(curves: dict[str, tuple[list[float], list[float]]]) -> dict[str, Any]:
-    """Target, time to accuracy, final accuracy and the two headline figures of one set of (times, accuracies)
-    curves, the synchronous baseline first and the pairings in ``PAIRINGS`` order."""
+def _figures(curves: dict[str, Curve]) -> dict[str, Any]:
+    """Target, time and steps to accuracy, final accuracy and the two headline figures of one set of curves, the
+    synchronous baseline first and the pairings in ``PAIRINGS`` order."""
     names = list(curves)
     smoothed = {name: [statistics.fmean(accuracy[max(i + 1 - SMOOTHING, 0) : i + 1]) for i in range(len(accuracy))]
-                for name, (_, accuracy) in curves.items()}
+                for name, (_, accuracy, _) in curves.items()}
     final = {name: curve[-1] for name, curve in smoothed.items()}
     target = final[names[0]] - 0.01
-    tta = {name: next((t for t, acc in zip(curves[name][0], curve) if acc >= target), None)
-           for name, curve in smoothed.items()}
+    reached = {name: next((i for i, acc in enumerate(curve) if acc >= target), None)
+               for name, curve in smoothed.items()}
+    tta = {name: None if i is None else curves[name][0][i] for name, i in reached.items()}
+    steps = {name: None if i is None else curves[name][2][i] for name, i in reached.items()}
     both, sync_only, partial_only = names[3], names[1], names[2]
     best_single = min((t for t in (tta[sync_only], tta[partial_only]) if t is not None), default=None)
     speedup = (best_single / tta[both]) if best_single is not None and tta[both] is not None else None
-    return {"target_accuracy": target, "time_to_accuracy_s": tta, "final_accuracy": final,
+    return {"target_accuracy": target, "time_to_accuracy_s": tta, "steps_to_accuracy": steps, "final_accuracy": final,
             "speedup_vs_best_single_axis": speedup, "accuracy_drop_points": 100 * (final[names[0]] - final[both])}
 
 
@@ -185,6 +192,7 @@ def render(result: dict[str, Any]) -> str:
     rows = [{
         "pairing": name,
         "time to accuracy s": "never" if tta[name] is None else tta[name],
+        "steps": "" if tta[name] is None else result["steps_to_accuracy"][name],
         "speedup": "" if tta[name] is None or base is None else base / tta[name],
         "samples/s": result["samples_per_s"][name],
         "train s": result["train_s"][name],
@@ -210,7 +218,24 @@ def render(result: dict[str, Any]) -> str:
         + (f"; run by run: {_listed(result['per_repeat']['speedup_vs_best_single_axis'], 'x')} and "
            f"{_listed(result['per_repeat']['accuracy_drop_points'], ' points')}" if repeats > 1 else "")
     )
+    anatomy = _anatomy(result)
+    if anatomy:
+        lines.append(anatomy)
     return "\n".join(lines)
+
+
+def _anatomy(result: dict[str, Any]) -> str:
+    """The speedup over the better single axis, taken apart: pace up to the target over steps to it."""
+    tta, steps = result["time_to_accuracy_s"], result["steps_to_accuracy"]
+    names = result["pairings"]
+    both = names[3]
+    singles = [name for name in (names[1], names[2]) if tta[name] is not None]
+    if tta[both] is None or not singles:
+        return ""
+    best = min(singles, key=lambda name: tta[name])
+    pace = (steps[both] / tta[both]) / (steps[best] / tta[best])
+    return (f"{both} takes {pace:.2f}x the steps per second of {best} up to the target and needs "
+            f"{steps[both] / steps[best]:.2f}x its steps: stale gradients buy pace with steps")
 
 
 def _listed(values: list[float | None], unit: str) -> str:
@@ -273,7 +298,7 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
     loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size, sampler=sampler))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-    snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
+    snapshots: list[tuple[float, int, dict[str, torch.Tensor]]] = []
     trained_s, steps = 0.0, 0
     dist.barrier(group=group)
     for epoch in range(args.epochs):
@@ -287,19 +312,20 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
             steps += 1
             if steps % SNAPSHOT_EVERY == 0:
                 now = time.perf_counter()
-                snapshots.append((trained_s + now - started, _copy(net)))
+                snapshots.append((trained_s + now - started, steps, _copy(net)))
                 started += time.perf_counter() - now  # the copy is not training time
             progress.update()
         trained_s += time.perf_counter() - started  # the epoch's end, a meeting in partial pairings, included
-        snapshots.append((trained_s, _copy(net)))
+        snapshots.append((trained_s, steps, _copy(net)))
     shares, evaluates = model.shares, model.rank == 0  # every rank copies alike, to be timed alike
     model.close()
-    times, accuracies = [], []
-    for seconds, state in snapshots if evaluates else ():
+    times, accuracies, trained_steps = [], [], []
+    for seconds, step, state in snapshots if evaluates else ():
         net.load_state_dict(state)
         times.append(seconds)
+        trained_steps.append(step)
         accuracies.append(accuracy(net, split.test))
-    return {"time_s": times, "accuracy": accuracies, "shares": shares,
+    return {"time_s": times, "accuracy": accuracies, "steps": trained_steps, "shares": shares,
             "samples_per_s": steps * args.global_batch / trained_s}
 
 
