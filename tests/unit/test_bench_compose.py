@@ -16,7 +16,7 @@ def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: flo
     good = SNAPSHOTS if first_good is None else first_good
     return {"time_s": [seconds_per_snapshot * (i + 1) for i in range(SNAPSHOTS)],
             "accuracy": [0.0 if i < good else 1.0 for i in range(SNAPSHOTS)],
-            "steps": [STEPS[i] for i in range(SNAPSHOTS)],
+            "steps": list(STEPS),
             "shares": [16, 16, 16, 16], "samples_per_s": samples_per_s}
 
 

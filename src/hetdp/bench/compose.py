@@ -161,7 +161,7 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
 
 
 def _mean_curve(repeats: list[dict[str, Any]]) -> Curve:
-    """Snapshot times and accuracies averaged over the repeats, which all snapshot at the same steps."""
+    """Snapshot times and accuracies averaged over the repeats, and the steps, at which they all snapshot alike."""
     return ([statistics.fmean(times) for times in zip(*(run_["time_s"] for run_ in repeats))],
             [statistics.fmean(accuracies) for accuracies in zip(*(run_["accuracy"] for run_ in repeats))],
             repeats[0]["steps"])
@@ -179,11 +179,12 @@ def _figures(curves: dict[str, Curve]) -> dict[str, Any]:
                for name, curve in smoothed.items()}
     tta = {name: None if i is None else curves[name][0][i] for name, i in reached.items()}
     steps = {name: None if i is None else curves[name][2][i] for name, i in reached.items()}
-    both, sync_only, partial_only = names[3], names[1], names[2]
-    best_single = min((t for t in (tta[sync_only], tta[partial_only]) if t is not None), default=None)
-    speedup = (best_single / tta[both]) if best_single is not None and tta[both] is not None else None
+    both = names[3]
+    best_single = min((name for name in (names[1], names[2]) if tta[name] is not None), key=tta.get, default=None)
+    speedup = tta[best_single] / tta[both] if best_single is not None and tta[both] is not None else None
     return {"target_accuracy": target, "time_to_accuracy_s": tta, "steps_to_accuracy": steps, "final_accuracy": final,
-            "speedup_vs_best_single_axis": speedup, "accuracy_drop_points": 100 * (final[names[0]] - final[both])}
+            "best_single_axis": best_single, "speedup_vs_best_single_axis": speedup,
+            "accuracy_drop_points": 100 * (final[names[0]] - final[both])}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -227,12 +228,9 @@ def render(result: dict[str, Any]) -> str:
 def _anatomy(result: dict[str, Any]) -> str:
     """The speedup over the better single axis, taken apart: pace up to the target over steps to it."""
     tta, steps = result["time_to_accuracy_s"], result["steps_to_accuracy"]
-    names = result["pairings"]
-    both = names[3]
-    singles = [name for name in (names[1], names[2]) if tta[name] is not None]
-    if tta[both] is None or not singles:
+    both, best = result["pairings"][3], result["best_single_axis"]
+    if tta[both] is None or best is None:
         return ""
-    best = min(singles, key=lambda name: tta[name])
     pace = (steps[both] / tta[both]) / (steps[best] / tta[best])
     return (f"{both} takes {pace:.2f}x the steps per second of {best} up to the target and needs "
             f"{steps[both] / steps[best]:.2f}x its steps: stale gradients buy pace with steps")
