@@ -17,6 +17,9 @@ from hetdp.errors import ConfigError
 
 POINTS_PER_RANK = 6
 """Measured shares a rank's fitted step time remembers (the latest); older ones may predate a change of speed."""
+VERDICTS_TO_REJECT = 2
+"""Trials a plan must fail before it is not tried again. One verdict can be a random straggler's doing (a rank
+delayed in three of a trial's four steps reads as slower than before); a plan banned for it stayed out for good."""
 
 
 def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minimum: int = 1, *,
@@ -61,10 +64,10 @@ class AdaptiveAllocator:
     the window's mean step time when the caller reports the timing noise
     (``step_cv``); otherwise the shares stay, so timing noise on equal workers
     moves nothing. With ``verify``, an applied re-plan is a trial: if the next
-    measurement finds the step slower than before it, the old shares come back and
-    that plan is not tried again. This catches what the rule cannot see, such as
-    ranks that share cores or a bus, where one rank's measured speed depends on
-    the others' shares.
+    measurement finds the step slower than before it, the old shares come back, and
+    a plan that failed ``VERDICTS_TO_REJECT`` trials is not tried again. This
+    catches what the rule cannot see, such as ranks that share cores or a bus,
+    where one rank's measured speed depends on the others' shares.
 
     After ``patience`` calm updates in a row the allocation is *stable*. As the
     paper does, re-planning then stops (``drift=None``), unless
@@ -155,7 +158,8 @@ class AdaptiveAllocator:
         self.trial: tuple[list[int], float] | None = None
         """While a re-plan is on trial: the shares it replaced and their measured step seconds."""
         self.rejected: list[list[int]] = []
-        """Plans that measured slower than the ones they replaced; proposing one again counts as calm."""
+        """Plans that measured slower than the ones they replaced, once per verdict; proposing one that failed
+        ``VERDICTS_TO_REJECT`` trials counts as calm."""
         self.noise_cv = 0.0
         """Relative standard deviation of one step's compute time, pooled over the updates that reported it since
         the shares last changed: other shares have other noise (ranks sharing cores contend differently), and a
@@ -225,7 +229,7 @@ class AdaptiveAllocator:
         t_quantile = float(stdtrit(self._noise_dof, confidence)) if self._noise_dof else 2.0
         required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
-        if too_small_a_gain or new_shares == self.shares or new_shares in self.rejected:
+        if too_small_a_gain or new_shares == self.shares or self.rejected.count(new_shares) >= VERDICTS_TO_REJECT:
             self._calm(measured)
         else:
             self.calm_updates = 0
