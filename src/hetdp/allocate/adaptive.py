@@ -75,7 +75,11 @@ class AdaptiveAllocator:
     stable allocator keeps comparing each update's measured speeds with those it
     settled on, and plans again once some rank runs ``drift`` (a fraction) slower
     or faster for ``sustain`` updates in a row: a co-tenant job or a throttled
-    device, which a frozen allocation would leave as the straggler for good.
+    device, which a frozen allocation would leave as the straggler for good. It
+    also plans again when, as long, the rule's plan for the measured speeds would
+    shorten the step by ``drift``: shares that settled where an early window's
+    noise hid a real gain are not kept for good (a plan rejected in trials does
+    not count: it was measured not to pay).
 
     With ``rule="piecewise"`` (beyond the paper), a re-plan is not proportional
     to speed: a rank that runs micro-batches of ``chunks[i]`` samples gets a step
@@ -172,9 +176,10 @@ class AdaptiveAllocator:
         self.settled_speeds: list[float] | None = None
         """The measured speeds the stable shares were kept for: what ``drift`` is measured against."""
         self.drifted_updates = 0
-        """Stable updates in a row whose speeds moved by ``drift`` or more."""
+        """Stable updates in a row whose shares no longer fit: speeds moved by ``drift`` or more, or a plan would
+        shorten the step by as much."""
         self.restarts = 0
-        """Times a sustained drift made a stable allocator plan again."""
+        """Times a stable allocator planned again: a sustained drift, or shares that no longer fit."""
 
     @property
     def stable(self) -> bool:
@@ -192,11 +197,14 @@ class AdaptiveAllocator:
             raise ConfigError(f"steps must be >= 1, got {steps}")
         window_shares = [share * steps for share in self.shares]
         measured = measured_speeds(window_shares, compute_seconds)
-        if self.stable and self.freeze_when_stable:
-            if self.drift is None or not self._drifted(measured, steps, step_cv):
-                return list(self.shares)
-            self._restart()
         self._record(compute_seconds, steps)
+        if self.stable and self.freeze_when_stable:
+            if self.drift is None:
+                return list(self.shares)
+            reason = self._unfit(window_shares, measured, compute_seconds, steps, step_cv)
+            if reason is None:
+                return list(self.shares)
+            self._restart(drifted=reason == "drift")
         if step_cv is not None:
             if not (math.isfinite(step_cv) and step_cv >= 0):
                 raise ConfigError(f"step_cv must be a finite fraction >= 0, got {step_cv!r}")
@@ -214,15 +222,7 @@ class AdaptiveAllocator:
                 self._calm(measured)
                 return list(self.shares)
             self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
-        if self.rule == "piecewise":
-            models = self.models()
-            new_shares = replan_piecewise(models, self.total, self.minimum, caps=self.caps)
-            smoothed_step_s = max(model.seconds(share) for model, share in zip(models, self.shares))
-            predicted_step_s = max(model.seconds(share) for model, share in zip(models, new_shares))
-            self.speeds = measured
-        else:
-            new_shares, smoothed_step_s, predicted_step_s = self._proportional(window_shares, measured,
-                                                                              compute_seconds)
+        new_shares, smoothed_step_s, predicted_step_s = self._proposal(window_shares, measured, compute_seconds)
         # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
         # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
         confidence = 1.0 - 0.025 / len(self.shares)
@@ -237,6 +237,17 @@ class AdaptiveAllocator:
                 self.trial = (self.shares, step_s)
             self._set_shares(new_shares)
         return list(self.shares)
+
+    def _proposal(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float]
+                  ) -> tuple[list[int], float, float]:
+        """The rule's re-plan: new shares, the step's seconds now and predicted under them."""
+        if self.rule == "piecewise":
+            models = self.models()
+            new_shares = replan_piecewise(models, self.total, self.minimum, caps=self.caps)
+            self.speeds = measured
+            return (new_shares, max(model.seconds(share) for model, share in zip(models, self.shares)),
+                    max(model.seconds(share) for model, share in zip(models, new_shares)))
+        return self._proportional(window_shares, measured, compute_seconds)
 
     def _proportional(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float]
                       ) -> tuple[list[int], float, float]:
@@ -272,22 +283,35 @@ class AdaptiveAllocator:
         if self.stable:
             self.settled_speeds = measured
 
-    def _drifted(self, measured: list[float], steps: int, step_cv: float | None) -> bool:
-        """Whether some rank's speed has moved from the settled speeds, by ``drift`` and by more than three
-        standard errors of the window's timing noise, for ``sustain`` updates in a row."""
+    def _unfit(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float], steps: int,
+               step_cv: float | None) -> Literal["drift", "misfit"] | None:
+        """Why the stable shares no longer fit, once that held for ``sustain`` updates in a row, beyond ``drift``
+        and three standard errors of the window's timing noise: "drift", some rank's speed moved from the settled
+        speeds; "misfit", the rule's plan for the measured speeds (one not rejected) would shorten the step. A
+        misfit without a drift means the shares settled wrong: a window whose noise was overstated (a rank a
+        random straggler delayed in half its steps) hid a real gain until the allocation counted itself calm."""
+        margin = max(self.drift, 3.0 * (step_cv or 0.0) / math.sqrt(steps))  # type: ignore[type-var]
         settled = self.settled_speeds or measured
-        change = max(abs(new / old - 1.0) for new, old in zip(measured, settled))
-        threshold = max(self.drift, 3.0 * (step_cv or 0.0) / math.sqrt(steps))  # type: ignore[type-var]
-        self.drifted_updates = self.drifted_updates + 1 if change >= threshold else 0
-        return self.drifted_updates >= self.sustain
+        reason: Literal["drift", "misfit"] | None = None
+        if max(abs(new / old - 1.0) for new, old in zip(measured, settled)) >= margin:
+            reason = "drift"
+        else:
+            new_shares, step_s, predicted_step_s = self._proposal(window_shares, measured, compute_seconds)
+            if (new_shares != self.shares and self.rejected.count(new_shares) < VERDICTS_TO_REJECT
+                    and predicted_step_s <= (1.0 - margin) * step_s):
+                reason = "misfit"
+        self.drifted_updates = self.drifted_updates + 1 if reason else 0
+        return reason if self.drifted_updates >= self.sustain else None
 
-    def _restart(self) -> None:
-        """Forget what held for the old speeds: smoothing memory, verdicts, noise, calm."""
+    def _restart(self, drifted: bool) -> None:
+        """Plan again: forget the smoothing memory, noise and calm, and after a drift what held for the old speeds,
+        the verdicts and every measured point but the window that showed the change."""
         self.calm_updates = self.drifted_updates = 0
         self.speeds = self.trial = self.settled_speeds = None
-        self.rejected = []
         self.noise_cv, self._noise_reports, self._noise_dof = 0.0, 0, 0
-        self.points = [OrderedDict() for _ in self.points]
+        if drifted:
+            self.rejected = []
+            self.points = [OrderedDict(list(points.items())[-1:]) for points in self.points]
         self.restarts += 1
 
     def _set_shares(self, shares: list[int]) -> None:

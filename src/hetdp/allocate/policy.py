@@ -44,6 +44,11 @@ only ever lengthens a step, so a low quantile reads through up to three delayed 
 fails at half: with one straggler drawn among four ranks at every step, some rank is delayed in half of a 10-step
 window about once in four windows, and a median would plan it as a slow device."""
 
+_NORMAL = statistics.NormalDist()
+QUANTILE_ERROR = math.sqrt(TYPICAL_QUANTILE * (1.0 - TYPICAL_QUANTILE)) / _NORMAL.pdf(_NORMAL.inv_cdf(TYPICAL_QUANTILE))
+"""The standard error of a quantile of n normal steps, in units of a mean's (sigma / sqrt(n)): 1.36 for the lower
+quartile. A re-plan read off the typical time must beat that noise, not a mean's."""
+
 ENV_ALLOCATION = "HETDP_ALLOCATION"
 """Set by ``hetdp run --allocation``: the allocation of a drop-in whose code does not choose one."""
 
@@ -80,7 +85,8 @@ class Adaptive:
 
     Beyond the paper, once the shares are stable the allocation keeps watching at
     a small cost (one gather of a few numbers every ``watch_every`` steps) and plans
-    again when some rank's speed moves by ``drift`` for ``sustain`` checks in a row.
+    again when some rank's speed moves by ``drift``, or a plan for the measured speeds would shorten the step by
+    as much, for ``sustain`` checks in a row.
     """
 
     weights: tuple[float, ...] | None = None
@@ -94,7 +100,8 @@ class Adaptive:
     smoothing: float = 0.0
     """Weight of past speed estimates against the newest (0: the newest alone)."""
     drift: float | None = 0.2
-    """Once stable, plan again when a rank runs this fraction slower or faster, sustained; None: freeze (paper)."""
+    """Once stable, plan again when a rank runs this fraction slower or faster, or a plan would make the step this
+    fraction shorter, sustained; None: freeze (paper)."""
     sustain: int = 2
     """Drift checks in a row that must see the change."""
     watch_every: int = 4
@@ -173,11 +180,23 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
     )
 
 
-def _spread(times: Sequence[float], median: float) -> float:
-    """A robust standard deviation: 1.4826 x the median absolute deviation, or for two values their own."""
+HALF_NORMAL_SD = math.sqrt(1.0 - 2.0 / math.pi)
+"""The standard deviation of the lower half of normal noise, per unit of the noise's own (0.603)."""
+
+
+def _spread_below_median(times: Sequence[float]) -> float:
+    """The timing noise a low quantile of ``times`` (two or more) carries: the standard deviation their lower half
+    shows, scaled to the whole's as for normal noise; for two values, their own.
+
+    Delays only lengthen steps, so the steps a random straggler delayed sit in the upper half, where the low
+    quantile does not read. Their spread is not noise to it: counted (as the median absolute deviation did), two
+    delays in four steps made a window look too noisy to plan on, and with one random rank delayed per step the
+    first plan waited for 7 to 8 steps on average where 4 tell the speeds. A rank delayed in most steps of a
+    window still shows: its delays reach the lower half.
+    """
     if len(times) == 2:
-        return abs(times[0] - times[1]) / math.sqrt(2.0)
-    return 1.4826 * statistics.median(abs(t - median) for t in times)
+        return statistics.stdev(times)
+    return statistics.stdev(sorted(times)[: (len(times) + 1) // 2]) / HALF_NORMAL_SD
 
 
 class Allocator:
@@ -287,7 +306,7 @@ class Allocator:
 
         A rank's per-step times are summarized by a low quantile (``TYPICAL_QUANTILE``),
         so steps that a random straggler delayed do not read as a slower device;
-        their spread (from the median absolute deviation, or the two values of a
+        the spread of their lower half (``_spread_below_median``; both values of a
         two-step window) is the noise a re-plan must beat. A window too noisy to tell
         anything (its mean's relative error above ``NOISY``) is kept and doubled,
         up to ``MAX_WINDOW`` steps, rather than decided on.
@@ -299,8 +318,8 @@ class Allocator:
         typical = [float(np.quantile(times, TYPICAL_QUANTILE)) for times in compute_s]
         step_cv = None
         if steps > 1:
-            spreads = [_spread(times, statistics.median(times)) / value for times, value in zip(compute_s, typical)]
-            step_cv = (sum(s * s for s in spreads) / len(spreads)) ** 0.5
+            spreads = [_spread_below_median(times) / value for times, value in zip(compute_s, typical)]
+            step_cv = QUANTILE_ERROR * (sum(s * s for s in spreads) / len(spreads)) ** 0.5
             if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW:
                 self._extended = min(2 * steps, MAX_WINDOW)
                 return None

@@ -89,7 +89,7 @@ def test_bad_times_are_rejected(seconds):
 
 
 def test_a_replan_that_measures_slower_twice_is_rolled_back_and_not_retried():
-    allocator = AdaptiveAllocator(2, 100, patience=2)
+    allocator = AdaptiveAllocator(2, 100, patience=2, drift=0.2)
     for _ in range(VERDICTS_TO_REJECT):
         assert allocator.update([2.0, 1.0]) == [33, 67]  # rank 1 looks twice as fast: a trial
         # ...but with the new shares the step got slower (say, the ranks share a core): back to the old shares
@@ -97,6 +97,9 @@ def test_a_replan_that_measures_slower_twice_is_rolled_back_and_not_retried():
     assert allocator.calm_updates == 1
     allocator.update([2.0, 1.0])  # proposes [33, 67] again: rejected twice, so calm, and now stable
     assert allocator.shares == [50, 50] and allocator.stable
+    for _ in range(4):  # watching once stable, the rejected plan is no sign that the shares settled wrong
+        assert allocator.update([2.0, 1.0]) == [50, 50]
+    assert allocator.restarts == 0
 
 
 def test_one_slow_verdict_does_not_ban_the_plan_for_good():
@@ -153,14 +156,30 @@ def _settle(allocator, speeds, updates=4):
     assert allocator.stable
 
 
-def test_a_sustained_drift_after_stabilizing_replans_to_the_new_speeds():
-    allocator = AdaptiveAllocator(4, 128, patience=2, drift=0.2, sustain=2)
+def test_shares_that_settled_where_noise_hid_a_gain_are_replanned_once_quiet_windows_show_it():
+    allocator = AdaptiveAllocator(4, 64, patience=2, drift=0.2, sustain=2)
+    seconds = synthetic_seconds([16] * 4, [1.0, 1.0, 2.0, 4.0])
+    # two windows where a straggler's delays read as noise that a 2x shorter step could come from: calm, stable
+    for _ in range(2):
+        assert allocator.update(seconds, steps=4, step_cv=2.0) == [16] * 4
+    assert allocator.stable
+    # quiet windows at the same speeds: no rank drifted, but the shares plainly do not fit them
+    assert allocator.update(seconds, steps=4, step_cv=0.01) == [16] * 4  # once is not sustained
+    assert allocator.update(seconds, steps=4, step_cv=0.01) == [8, 8, 16, 32]
+    assert allocator.restarts == 1
+
+
+@pytest.mark.parametrize("rule", ["paper", "piecewise"])
+def test_a_sustained_drift_after_stabilizing_replans_to_the_new_speeds(rule):
+    allocator = AdaptiveAllocator(4, 128, patience=2, drift=0.2, sustain=2, rule=rule)
     _settle(allocator, [1.0, 1.0, 2.0, 4.0])
     assert allocator.shares == [16, 16, 32, 64]
     slowed = [1.0, 1.0, 2.0, 1.0]  # the fastest rank drops to the slowest's speed
     assert allocator.update(synthetic_seconds(allocator.shares, slowed)) == [16, 16, 32, 64]  # once is not sustained
     shares = allocator.update(synthetic_seconds(allocator.shares, slowed))
-    assert shares == apportion_min_max(slowed, 128) and allocator.restarts == 1
+    # the shortest step for the new speeds (the piecewise rule plans it from the window that showed the change)
+    assert max(synthetic_seconds(shares, slowed)) == max(synthetic_seconds(apportion_min_max(slowed, 128), slowed))
+    assert allocator.restarts == 1
 
 
 def test_without_drift_watching_a_stable_allocation_stays_frozen_as_in_the_paper():

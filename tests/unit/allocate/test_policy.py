@@ -74,6 +74,13 @@ def test_a_rank_a_random_straggler_delayed_in_most_steps_of_a_window_is_not_read
     assert allocator.observe([[0.03] * 10, [0.01] * 10]) == [25, 75]
 
 
+def test_a_rank_delayed_in_half_of_a_window_does_not_make_it_too_noisy_to_decide_on():
+    allocator = Allocator(Adaptive(replan_every=4), 2, 100)
+    # rank 0 is twice as slow; a random straggler delayed two of its four steps by 200 ms. The delays sit above the
+    # low quantile that reads its speed, and are no noise to it: the window decides.
+    assert allocator.observe([[0.100, 0.300, 0.101, 0.301], [0.050, 0.051, 0.050, 0.051]]) == [33, 67]
+
+
 def test_a_window_too_noisy_to_decide_on_grows_until_its_typical_time_holds():
     allocator = Allocator(Adaptive(replan_every=2), 2, 100)
     # rank 0 is twice as slow, but one of its two steps was delayed: the two-step window says nothing yet
