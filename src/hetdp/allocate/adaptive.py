@@ -175,7 +175,7 @@ class AdaptiveAllocator:
         self.updates = 0
         self.settled_speeds: list[float] | None = None
         """The measured speeds the stable shares were kept for: what ``drift`` is measured against."""
-        self.drifted_updates = 0
+        self.unfit_updates = 0
         """Stable updates in a row whose shares no longer fit: speeds moved by ``drift`` or more, or a plan would
         shorten the step by as much."""
         self.restarts = 0
@@ -300,13 +300,13 @@ class AdaptiveAllocator:
             if (new_shares != self.shares and self.rejected.count(new_shares) < VERDICTS_TO_REJECT
                     and predicted_step_s <= (1.0 - margin) * step_s):
                 reason = "misfit"
-        self.drifted_updates = self.drifted_updates + 1 if reason else 0
-        return reason if self.drifted_updates >= self.sustain else None
+        self.unfit_updates = self.unfit_updates + 1 if reason else 0
+        return reason if self.unfit_updates >= self.sustain else None
 
     def _restart(self, drifted: bool) -> None:
         """Plan again: forget the smoothing memory, noise and calm, and after a drift what held for the old speeds,
         the verdicts and every measured point but the window that showed the change."""
-        self.calm_updates = self.drifted_updates = 0
+        self.calm_updates = self.unfit_updates = 0
         self.speeds = self.trial = self.settled_speeds = None
         self.noise_cv, self._noise_reports, self._noise_dof = 0.0, 0, 0
         if drifted:
@@ -330,7 +330,7 @@ class AdaptiveAllocator:
             "noise_reports": self._noise_reports,
             "noise_dof": self._noise_dof,
             "settled_speeds": self.settled_speeds,
-            "drifted_updates": self.drifted_updates,
+            "unfit_updates": self.unfit_updates,
             "restarts": self.restarts,
             "points": [list(points.items()) for points in self.points],
         }
@@ -352,7 +352,7 @@ class AdaptiveAllocator:
         self._noise_reports = int(state.get("noise_reports", 0))
         self._noise_dof = int(state.get("noise_dof", 0))
         self.settled_speeds = state.get("settled_speeds")
-        self.drifted_updates = int(state.get("drifted_updates", 0))
+        self.unfit_updates = int(state.get("unfit_updates", 0))
         self.restarts = int(state.get("restarts", 0))
         self.points = [OrderedDict((int(share), float(seconds)) for share, seconds in points)
                        for points in state.get("points", [[] for _ in self.points])]

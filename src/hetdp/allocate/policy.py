@@ -44,11 +44,6 @@ only ever lengthens a step, so a low quantile reads through up to three delayed 
 fails at half: with one straggler drawn among four ranks at every step, some rank is delayed in half of a 10-step
 window about once in four windows, and a median would plan it as a slow device."""
 
-_NORMAL = statistics.NormalDist()
-QUANTILE_ERROR = math.sqrt(TYPICAL_QUANTILE * (1.0 - TYPICAL_QUANTILE)) / _NORMAL.pdf(_NORMAL.inv_cdf(TYPICAL_QUANTILE))
-"""The standard error of a quantile of n normal steps, in units of a mean's (sigma / sqrt(n)): 1.36 for the lower
-quartile. A re-plan read off the typical time must beat that noise, not a mean's."""
-
 ENV_ALLOCATION = "HETDP_ALLOCATION"
 """Set by ``hetdp run --allocation``: the allocation of a drop-in whose code does not choose one."""
 
@@ -179,6 +174,11 @@ def allocation_policy(spec: str | AllocationPolicy | None = None) -> AllocationP
         f"allocation must be equal, adaptive, adaptive:paper, adaptive:piecewise or static:W1,W2,... ; got {spec!r}"
     )
 
+
+_NORMAL = statistics.NormalDist()
+QUANTILE_ERROR = math.sqrt(TYPICAL_QUANTILE * (1.0 - TYPICAL_QUANTILE)) / _NORMAL.pdf(_NORMAL.inv_cdf(TYPICAL_QUANTILE))
+"""The standard error of a quantile of n normal steps, in units of a mean's (sigma / sqrt(n)): 1.36 for the lower
+quartile. A re-plan read off the typical time must beat that noise, not a mean's."""
 
 HALF_NORMAL_SD = math.sqrt(1.0 - 2.0 / math.pi)
 """The standard deviation of the lower half of normal noise, per unit of the noise's own (0.603)."""
