@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from hetdp.bench.compose import PAIRINGS, render, summarize
+from hetdp.bench.compose import PAIRINGS, render, run, summarize
+from hetdp.errors import ConfigError
 
 SNAPSHOTS = 10
 STEPS = [2, 4, 6, 8, 9, 11, 13, 15, 17, 18]
@@ -22,7 +25,7 @@ def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: flo
 
 def _raw(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
     """Two repeats per pairing: the first at 1 s per snapshot, the second at 2 s."""
-    return {"settings": {"straggler_ms": 100.0, "global_batch": 64, "epochs": 4},
+    return {"settings": {"straggler_ms": 100.0, "global_batch": 64, "epochs": 4, "lr": 0.05, "momentum": 0.9},
             "runs": {name: [_run(first_good[name][0], 1.0, 100.0), _run(first_good[name][1], 2.0, 200.0)]
                      for name in first_good}}
 
@@ -92,3 +95,11 @@ def test_the_render_takes_the_speedup_apart_into_pace_and_steps():
     assert (f"takes {pace:.2f}x the steps per second of adaptive+allreduce up to the target and needs {steps:.2f}x its "
             f"steps") in text
     assert "steps per second" not in render(_figures({**BASE, "adaptive+majority": (1, None)}))
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.0])
+def test_a_momentum_outside_0_to_1_is_refused_before_any_rank_starts(momentum: float):
+    args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
+                              sync_every=0, quorum=None, lr=0.05, momentum=momentum, repeats=1, quick=True, seed=0)
+    with pytest.raises(ConfigError, match="--momentum"):
+        run(args)

@@ -18,8 +18,8 @@ pairing's, divided by the ratio of their steps, since stale gradients buy pace
 with steps. Snapshots of the model are taken every few steps and evaluated after
 training, so evaluation costs no training time. Every pairing trains with the
 same recipe, a user's loop as any: inputs standardized with the training set's
-mean and deviation, SGD with momentum from a learning rate of 0.05 decayed to 0
-over the run (cosine).
+mean and deviation, SGD with momentum 0.9 (``--momentum``) from a learning rate of
+0.05 decayed to 0 over the run (cosine).
 
 One run's curve is noisy near its plateau: from one initial model to another, the
 final accuracy of the same recipe varies by about a point, the very margin the
@@ -68,7 +68,11 @@ PAIRINGS = (("equal", "allreduce"), ("adaptive", "allreduce"), ("equal", "majori
             ("adaptive", "quorum"))
 """(allocation, synchronization), the synchronous baseline first."""
 LR = 0.05
-"""Every pairing's recipe: SGD with momentum 0.9 from this learning rate, cosine-decayed to 0 over the run."""
+"""Every pairing's recipe: SGD with momentum (``MOMENTUM``) from this learning rate, cosine-decayed to 0 over the
+run."""
+MOMENTUM = 0.9
+"""The recipe's momentum. A gradient that arrives a round late adds momentum of its own (asynchrony acts as
+momentum: Mitliagkas et al., 2016), so the stale modes lose steps to it that plain SGD does not lose."""
 SNAPSHOT_EVERY = 2
 """Steps between snapshots of rank 0's model."""
 SMOOTHING = 5
@@ -94,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "epoch's end)")
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
     parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
+    parser.add_argument("--momentum", type=float, default=MOMENTUM,
+                        help=f"SGD momentum of every pairing (default {MOMENTUM:g}; 0: plain SGD, with about "
+                        "1 / (1 - momentum) times the learning rate)")
     parser.add_argument("--repeats", type=positive_int,
                         help="runs of every pairing, at once on groups of ranks of their own, the figures read off "
                         "their mean curves (default 3)")
@@ -115,6 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{sample_cost_ms}")
     if not args.lr > 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.momentum < 1:
+        raise ConfigError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.sync_every < 0:
         raise ConfigError(f"--sync-every must be >= 0 steps, got {args.sync_every}")
     if args.global_batch < nproc:
@@ -124,8 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
-                   "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--repeats", repeats,
-                   "--seed", args.seed]
+                   "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--momentum", args.momentum,
+                   "--repeats", repeats, "--seed", args.seed]
     raw = launch_workers("hetdp.bench.compose", nproc * repeats, worker_args, total=len(PAIRINGS) * epochs * steps,
                          description="steps", unit="step")
     return summarize(raw, speeds, quorum)
@@ -203,8 +212,8 @@ def render(result: dict[str, Any]) -> str:
     s = result["settings"]
     repeats = result["repeats"]
     title = (f"digits ConvNet on speeds {result['speeds']}, one random rank delayed {s['straggler_ms']:g} ms per "
-             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing"
-             + (f", mean of {repeats} runs" if repeats > 1 else ""))
+             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing, SGD from learning rate "
+             f"{s['lr']:g} with momentum {s['momentum']:g}" + (f", mean of {repeats} runs" if repeats > 1 else ""))
     lines = [format_table(rows, title=title)]
     speedup = result["speedup_vs_best_single_axis"]
     lines.append(
@@ -254,6 +263,7 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--sync-every", type=int, required=True)
     parser.add_argument("--quorum", type=int, required=True)
     parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--momentum", type=float, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -294,7 +304,7 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
     model = DistributedDataParallel(net, allocation_policy(allocation), spec, emulation=emulation, process_group=group)
     sampler = DistributedSampler(split.train, num_replicas=model.world_size, rank=model.rank, seed=seed)
     loader = model.allocate(DataLoader(split.train, batch_size=args.global_batch // model.world_size, sampler=sampler))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     snapshots: list[tuple[float, int, dict[str, torch.Tensor]]] = []
     trained_s, steps = 0.0, 0
