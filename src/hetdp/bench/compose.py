@@ -72,7 +72,7 @@ LR = 0.05
 run."""
 MOMENTUM = 0.9
 """The recipe's momentum. A gradient that arrives a round late adds momentum of its own (asynchrony acts as
-momentum: Mitliagkas et al., 2016), so the stale modes lose steps to it that plain SGD does not lose."""
+momentum: Mitliagkas et al., 2016), on top of this: the stale pairings' steps to the target depend on it."""
 SNAPSHOT_EVERY = 2
 """Steps between snapshots of rank 0's model."""
 SMOOTHING = 5
@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quorum", type=positive_int, help="k of the quorum pairing (default: half the ranks)")
     parser.add_argument("--lr", type=float, default=LR, help=f"peak learning rate of every pairing (default {LR:g})")
     parser.add_argument("--momentum", type=float, default=MOMENTUM,
-                        help=f"SGD momentum of every pairing (default {MOMENTUM:g}; 0: plain SGD, with about "
-                        "1 / (1 - momentum) times the learning rate)")
+                        help=f"SGD momentum of every pairing (default {MOMENTUM:g}; plain SGD, 0, takes about "
+                        "1 / (1 - momentum) times the learning rate to match it: --momentum 0 --lr 0.5)")
     parser.add_argument("--repeats", type=positive_int,
                         help="runs of every pairing, at once on groups of ranks of their own, the figures read off "
                         "their mean curves (default 3)")
