@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from scipy.special import stdtrit
 
@@ -20,6 +20,18 @@ POINTS_PER_RANK = 6
 VERDICTS_TO_REJECT = 2
 """Trials a plan must fail before it is not tried again. One verdict can be a random straggler's doing (a rank
 delayed in three of a trial's four steps reads as slower than before); a plan banned for it stayed out for good."""
+
+
+class Proposal(NamedTuple):
+    """The rule's re-plan for one window, computed without changing the allocator."""
+
+    shares: list[int]
+    step_s: float
+    """The step's seconds at the current shares, on the speeds the rule read."""
+    predicted_step_s: float
+    """The step's seconds under ``shares``."""
+    speeds: list[float]
+    """The speeds the rule read (smoothed, under the paper's rule with ``smoothing``): its memory if adopted."""
 
 
 def rebalance(shares: Sequence[int], seconds: Sequence[float], total: int, minimum: int = 1, *,
@@ -222,14 +234,16 @@ class AdaptiveAllocator:
                 self._calm(measured)
                 return list(self.shares)
             self.rejected.clear()  # the world changed or the plan paid: earlier verdicts may no longer hold
-        new_shares, smoothed_step_s, predicted_step_s = self._proposal(window_shares, measured, compute_seconds)
+        proposal = self._proposal(window_shares, measured, compute_seconds)
+        self.speeds = proposal.speeds
+        new_shares = proposal.shares
         # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
         # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
         confidence = 1.0 - 0.025 / len(self.shares)
         t_quantile = float(stdtrit(self._noise_dof, confidence)) if self._noise_dof else 2.0
         required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
-        too_small_a_gain = required_gain > 0 and predicted_step_s > (1.0 - required_gain) * smoothed_step_s
-        if too_small_a_gain or new_shares == self.shares or self.rejected.count(new_shares) >= VERDICTS_TO_REJECT:
+        too_small_a_gain = required_gain > 0 and proposal.predicted_step_s > (1.0 - required_gain) * proposal.step_s
+        if too_small_a_gain or new_shares == self.shares or self._banned(new_shares):
             self._calm(measured)
         else:
             self.calm_updates = 0
@@ -238,20 +252,23 @@ class AdaptiveAllocator:
             self._set_shares(new_shares)
         return list(self.shares)
 
+    def _banned(self, shares: list[int]) -> bool:
+        """Whether ``shares`` failed enough trials not to be tried again."""
+        return self.rejected.count(shares) >= VERDICTS_TO_REJECT
+
     def _proposal(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float]
-                  ) -> tuple[list[int], float, float]:
-        """The rule's re-plan: new shares, the step's seconds now and predicted under them."""
+                  ) -> Proposal:
+        """The rule's re-plan for the window (watching a stable allocation asks for one too, so it changes nothing)."""
         if self.rule == "piecewise":
             models = self.models()
             new_shares = replan_piecewise(models, self.total, self.minimum, caps=self.caps)
-            self.speeds = measured
-            return (new_shares, max(model.seconds(share) for model, share in zip(models, self.shares)),
-                    max(model.seconds(share) for model, share in zip(models, new_shares)))
+            return Proposal(new_shares, max(model.seconds(share) for model, share in zip(models, self.shares)),
+                            max(model.seconds(share) for model, share in zip(models, new_shares)), measured)
         return self._proportional(window_shares, measured, compute_seconds)
 
     def _proportional(self, window_shares: list[int], measured: list[float], compute_seconds: Sequence[float]
-                      ) -> tuple[list[int], float, float]:
-        """The paper's re-plan on (smoothed) speeds: new shares, the step's seconds now and predicted under them."""
+                      ) -> Proposal:
+        """The paper's re-plan on (smoothed) speeds."""
         speeds = measured
         if self.speeds is not None and self.smoothing:
             speeds = [self.smoothing * old + (1 - self.smoothing) * new for old, new in zip(self.speeds, measured)]
@@ -259,10 +276,8 @@ class AdaptiveAllocator:
                                    self.minimum, caps=self.caps)
         else:
             new_shares = rebalance(window_shares, compute_seconds, self.total, self.minimum, caps=self.caps)
-        self.speeds = speeds
-        smoothed_step_s = max(share / speed for share, speed in zip(self.shares, speeds))
-        predicted_step_s = max(share / speed for share, speed in zip(new_shares, speeds))
-        return new_shares, smoothed_step_s, predicted_step_s
+        return Proposal(new_shares, max(share / speed for share, speed in zip(self.shares, speeds)),
+                        max(share / speed for share, speed in zip(new_shares, speeds)), speeds)
 
     def _record(self, compute_seconds: Sequence[float], steps: int) -> None:
         """Remember each rank's seconds per step at its current share (the piecewise rule's points)."""
@@ -296,9 +311,9 @@ class AdaptiveAllocator:
         if max(abs(new / old - 1.0) for new, old in zip(measured, settled)) >= margin:
             reason = "drift"
         else:
-            new_shares, step_s, predicted_step_s = self._proposal(window_shares, measured, compute_seconds)
-            if (new_shares != self.shares and self.rejected.count(new_shares) < VERDICTS_TO_REJECT
-                    and predicted_step_s <= (1.0 - margin) * step_s):
+            proposal = self._proposal(window_shares, measured, compute_seconds)
+            if (proposal.shares != self.shares and not self._banned(proposal.shares)
+                    and proposal.predicted_step_s <= (1.0 - margin) * proposal.step_s):
                 reason = "misfit"
         self.unfit_updates = self.unfit_updates + 1 if reason else 0
         return reason if self.unfit_updates >= self.sustain else None
