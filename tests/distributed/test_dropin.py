@@ -33,7 +33,7 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,meetings,background,metrics")
+    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,meetings,momentum,background,metrics")
 
 
 def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
@@ -129,6 +129,12 @@ def test_every_rank_applies_every_round_in_flight_before_a_meeting_averages_the_
     for name, figures in results.items():
         assert figures["differing_steps"] > 0, name  # ranks did apply rounds at different steps
         assert len(figures["equal_sums"]) >= 1 and all(figures["equal_sums"]), (name, figures["equal_sums"])
+
+
+def test_a_rank_that_receives_several_rounds_at_once_steps_a_momentum_optimizer_once_per_round(out):
+    for sync, figures in load(out, "momentum")[0].items():
+        assert sum(figures["extra_steps"]) > 0, sync  # some rank did catch up on several rounds in one step
+        assert figures["gap"] < 1e-5, (sync, figures)  # and its replica is the others' before any averaging
 
 
 def test_adaptive_shares_re_plan_from_background_gathers_without_averaging_the_replicas(out):

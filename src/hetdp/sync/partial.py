@@ -10,7 +10,7 @@ their samples, as one synchronous step over the same samples would.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialRe
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import average_parameters
 from hetdp.sync.base import Synchronizer
+from hetdp.sync.round_steps import RoundSteps
 
 STANDBY_PAUSE_S = 0.001
 """Pause between a standby rank's empty contributions: it still fires its rounds promptly, without spinning."""
@@ -51,7 +52,8 @@ def combine(rounds: Sequence[GradientRound], like: torch.Tensor) -> torch.Tensor
     paper's sum / P, with samples for calls): a round that holds a slow rank's 8 of 64
     samples is an eighth of a step, not a whole one on 8 samples' noise; a rank that
     lagged and receives three full rounds at once moves three steps' worth, as a rank
-    that applied them one by one (with plain SGD, exactly as far); a round that holds
+    that applied them one by one (the drop-in steps the loop's optimizer once per
+    round, ``RoundSteps``: exactly as far, with any optimizer); a round that holds
     the whole step (all ranks fresh) is exactly the synchronous gradient; and a
     contribution to a full step that a rank applies in the epoch's short last step
     still counts as its part of the full step.
@@ -73,11 +75,14 @@ class PartialGradients(Synchronizer):
     As the drop-in's synchronization, each step's gradient buckets are pooled into
     one contribution at the last bucket, and the step applies every round the call
     returned, each contribution counted as the part of its step its samples are
-    (``combine``). Every ``sync_every`` steps and at each epoch's end the ranks
+    (``combine``); the loop's ``optimizer.step()`` then runs once per round the
+    step holds (``RoundSteps``), so a rank that catches up on several rounds moves
+    its replica as the ranks that received them one by one, whatever the
+    optimizer's state. Every ``sync_every`` steps and at each epoch's end the ranks
     *meet*: the step before contributes in a flush, so every rank applies every
     round still in flight in that step, and then they average their parameters,
-    since a rank that applies several rounds in one step of a stateful optimizer
-    drifts slightly from one that applied them in separate steps.
+    which removes what little drift is left (clipping by norm clips a caught-up
+    step's rounds together; a step with a closure applies them at once).
 
     .. warning::
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
@@ -112,7 +117,9 @@ class PartialGradients(Synchronizer):
         self.group = group
         self.sync_every = sync_every
         self.timeout_s = timeout_s
-        self._buckets: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self._buckets: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
+        self._round_steps: RoundSteps | None = None
+        """As the drop-in's synchronization: the step's rounds, for the loop's optimizer to apply one by one."""
         self.carried: list[GradientRound] = []
         """Rounds received between steps (flushed at a meeting, or in ``standby``), applied with the next step."""
         self._flushed = False
@@ -159,6 +166,11 @@ class PartialGradients(Synchronizer):
 
     # --- as the drop-in's synchronization ------------------------------------------------------------------
 
+    @property
+    def extra_steps(self) -> int:
+        """Optimizer steps the loop's optimizer ran for earlier rounds of a step: a rank catching up."""
+        return 0 if self._round_steps is None else self._round_steps.extra_steps
+
     def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False
                ) -> torch.futures.Future[torch.Tensor]:
         """Pool the step's buckets; at the last one, contribute them and fill every bucket with the rounds' mean.
@@ -169,17 +181,26 @@ class PartialGradients(Synchronizer):
         those rounds would count more than once on some replicas and partly on others.
         """
         pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._buckets.append((bucket.buffer(), pending))
+        self._buckets.append((bucket, pending))
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
-            flat = torch.cat([buffer.reshape(-1) for buffer, _ in buckets])
+            flat = torch.cat([held.buffer().reshape(-1) for held, _ in buckets])
             part = samples / total
             fresh = self.flush(flat=flat, samples=part) if meets else self.contribute(flat, part)
             rounds, self.carried, self._flushed = self.carried + fresh, [], meets
+            # A round without weight (the empty one of a flush) is no step of its own; what a meeting left owed
+            # travels with the oldest round.
+            parts = [r.weighted_sum for r in rounds if r.samples]
+            if parts:
+                parts[0] = parts[0] + self._owed
             gradient = combine(rounds, flat) + self._owed
             self._owed.zero_()
+            if self._round_steps is None:
+                self._round_steps = RoundSteps()
+            self._round_steps.hold(_layout(held for held, _ in buckets), parts, gradient)
             offset = 0
-            for buffer, future in buckets:
+            for held, future in buckets:
+                buffer = held.buffer()
                 buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
                 offset += buffer.numel()
                 future.set_result(buffer)
@@ -222,4 +243,17 @@ class PartialGradients(Synchronizer):
 
     def close(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:  # type: ignore[override]
         """Flush and stop the partial allreduce (idempotent; every rank calls it)."""
+        if self._round_steps is not None:
+            self._round_steps.close()
         return self._rounds(self.partial.close(self._forward(on_round)))
+
+
+def _layout(buckets: Iterable[dist.GradBucket]) -> list[tuple[nn.Parameter, int]]:
+    """Each parameter of the buckets' gradients concatenated, with its offset: a bucket lays out its parameters'
+    gradients in order."""
+    layout, offset = [], 0
+    for bucket in buckets:
+        for parameter in bucket.parameters():
+            layout.append((parameter, offset))
+            offset += parameter.numel()
+    return layout

@@ -194,6 +194,28 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
             result[model.sync.describe()] = {"equal_sums": sums, "differing_steps": differing,
                                              "meetings": meetings}
             model.close()
+    elif scenario == "momentum":
+        # SGD with momentum under partial rounds with a straggler: a rank several steps behind receives several rounds
+        # in one step, and steps the loop's optimizer once per round; before the epoch's meeting averages the
+        # replicas (after the last step's optimizer.step()), they are already one model.
+        straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=60.0)
+        for sync in ("majority", "solo"):
+            model = hetdp.DDP(make_model(), "equal", sync, emulation=straggling)
+            loader = model.allocate(loader_for(Pairs(300), batch_size=8))  # 10 steps
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for step, batch in enumerate(loader, start=1):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+                optimizer.step()
+                if step == len(loader):
+                    before_meeting = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+            gathered = [torch.empty_like(before_meeting) for _ in range(model.world_size)]
+            dist.all_gather(gathered, before_meeting)
+            extra = [0] * model.world_size
+            dist.all_gather_object(extra, model.synchronizer.extra_steps)
+            result[sync] = {"gap": max(float((g - before_meeting).abs().max()) for g in gathered),
+                            "extra_steps": extra}
+            model.close()
     elif scenario == "background":
         # Local averaging per epoch with adaptive shares, a prefetching loader: plans come from background gathers,
         # so the replicas stay apart until the epoch's end, and every rank cuts every step by the same shares.
