@@ -57,7 +57,7 @@ class RoundSteps:
     def hold(self, layout: Layout, rounds: Sequence[torch.Tensor], whole: torch.Tensor) -> None:
         """Keep ``rounds`` (flat, oldest first, summing to ``whole``, the gradient handed to the loop) for the next
         optimizer step; a single round needs no step of its own."""
-        self._layout, self._rounds, self._waiting, self._restore = [], [], set(), []
+        self._drop()
         if len(rounds) < 2:
             return
         self._layout = list(layout)
@@ -67,10 +67,14 @@ class RoundSteps:
 
     def close(self) -> None:
         """Stop taking part in optimizer steps (idempotent)."""
-        self.hold([], [], self._whole)
+        self._drop()
         self._remove()
 
+    def _drop(self) -> None:
+        self._layout, self._rounds, self._waiting, self._restore = [], [], set(), []
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Step ``optimizer`` once per earlier round held for its parameters, and leave the last in ``.grad``."""
         if self._busy or not self._waiting or len(args) > 1 or "closure" in kwargs:
             return
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -87,8 +91,9 @@ class RoundSteps:
             return
         scale = torch.dot(now, whole) / norm
         # Only the held parameters step once per round: the optimizer's others wait for the loop's own step.
+        held = {id(p) for p, _ in mine}
         others = [p for group in optimizer.param_groups for p in group["params"]
-                  if p.grad is not None and id(p) not in {id(q) for q, _ in mine}]
+                  if p.grad is not None and id(p) not in held]
         others_grads = [p.grad for p in others]
         self._restore = [(p, p.grad) for p, _ in mine]
         self._busy = True
@@ -107,6 +112,7 @@ class RoundSteps:
         _set_grads(mine, rounds[-1] * scale + (now - whole * scale))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Put the loop's gradients back: after its step ``.grad`` holds the step's whole gradient, as it left it."""
         if self._busy:
             return
         for p, grad in self._restore:
