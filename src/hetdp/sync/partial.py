@@ -197,7 +197,9 @@ class PartialGradients(Synchronizer):
             self._owed.zero_()
             if self._round_steps is None:
                 self._round_steps = RoundSteps()
-            self._round_steps.hold(_layout(held for held, _ in buckets), parts, gradient)
+            # Most steps hold one round: only several need the parameters laid out.
+            layout = _layout(held for held, _ in buckets) if len(parts) > 1 else []
+            self._round_steps.hold(layout, parts, gradient)
             offset = 0
             for held, future in buckets:
                 buffer = held.buffer()

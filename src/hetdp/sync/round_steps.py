@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 Layout = Sequence[tuple[nn.Parameter, int]]
@@ -83,7 +84,7 @@ class RoundSteps:
         self._waiting -= stepped
         if not mine:
             return
-        now = torch.cat([p.grad.detach().reshape(-1) for p, _ in mine])
+        now = parameters_to_vector(p.grad.detach() for p, _ in mine)
         whole, *rounds = (torch.cat([flat[offset : offset + p.numel()] for p, offset in mine]).to(now)
                           for flat in (self._whole, *self._rounds))
         norm = torch.dot(whole, whole)
