@@ -33,7 +33,7 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,policies,batchnorm,drift,partial,meetings,momentum,background,metrics")
+    return launch(torchrun, tmp_path_factory.mktemp("dropin"), "exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,metrics")
 
 
 def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
@@ -73,6 +73,57 @@ def test_unequal_shares_in_the_users_loop_train_as_one_process_on_the_global_bat
     expected = reference(50, 16, 2, kind)
     for name, tensor in torch.load(out / f"exact_{sync}.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
+
+
+def accumulated_reference(size: int, global_batch: int, epochs: int, every: int, kind: str
+                          ) -> dict[str, torch.Tensor]:
+    """One process accumulating ``every`` global batches per optimizer step, batches counted within each epoch as
+    the ranks' loop does, each batch's loss its mean over the global batch, over ``every``."""
+    model = make_model(7)
+    optimizer = make_optimizer(model, kind)
+    steps = -(-size // global_batch)
+    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps)
+                 if kind == "adamw" else None)
+    data = Pairs(size)
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=3,
+                          drop_last=False)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        for i, first in enumerate(range(0, size, global_batch)):
+            index = torch.tensor(order[first : first + global_batch])
+            (nn.functional.cross_entropy(model(data.x[index]), data.y[index]) / every).backward()
+            if (i + 1) % every == 0:
+                if kind == "adamw":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "full"])
+def test_gradients_accumulated_under_no_sync_weigh_each_batch_by_its_own_shares(out, sync):
+    # The shares change inside a window (step 1) and the last step's stand-ins end one: weighed by the last
+    # batch's shares, the window's sum would take the wrong weights, and lose what the stand-in ranks accumulated.
+    blocks = load(out, "accumulate")[0][sync]["blocks"]
+    assert blocks[:3] == [[2, 4, 6, 4], [4, 2, 6, 4], [4, 2, 6, 4]]
+    assert sum(blocks[3]) == 2 and blocks[3].count(0) == 2  # two ranks join the last step with a stand-in
+    expected = accumulated_reference(50, 16, 2, 2, "adamw")
+    for name, tensor in torch.load(out / f"accumulate_{sync}.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
+
+
+def test_accumulating_batches_are_timed_and_rebalanced_with_exact_gradients(out):
+    figures = load(out, "accumulate")[0]["adaptive"]
+    assert all(seconds > 0 for step in figures["compute_s"] for seconds in step)  # no batch left untimed
+    assert figures["replans"] >= 1
+    shares = figures["shares"]
+    assert shares[0] < shares[2] < shares[3] and shares[1] < shares[2], shares  # emulated speeds 1, 1, 2, 4
+    expected = accumulated_reference(400, 16, 2, 2, "sgd")
+    for name, tensor in torch.load(out / "accumulate_adaptive.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_last_step_with_fewer_samples_than_ranks_completes_under_every_allocation(out):

@@ -287,8 +287,9 @@ class Allocator:
         return len(self._window)
 
     def measure(self, compute_s: Sequence[float]) -> None:
-        """Record one step at the current shares: every rank's compute seconds."""
-        if self.adaptive is not None:
+        """Record one step at the current shares: every rank's compute seconds. A step some rank did not time (it
+        ran no forward with gradients) tells nothing of the speeds and is left out."""
+        if self.adaptive is not None and all(seconds > 0 for seconds in compute_s):
             self._window.append(list(compute_s))
 
     def due(self, epoch_end: bool = False, min_steps: int = 0) -> bool:

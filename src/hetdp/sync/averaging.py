@@ -123,6 +123,10 @@ class ParameterAveraging(Synchronizer):
         done.set_result(buffer)
         return done
 
+    def weight(self, samples: float, total: float) -> float:
+        """The local gradient is kept whole, or dropped for a stand-in."""
+        return 1.0 if samples else 0.0
+
     def count(self, samples: int, total: int) -> None:
         """Record a finished step of ``samples`` here and ``total`` over all ranks."""
         self.samples += samples

@@ -31,6 +31,12 @@ class Synchronizer(ABC):
         """Combine one gradient bucket of a step in which this rank holds ``samples`` of the step's ``total``;
         ``meets``: the ranks meet after this step (every rank says the same)."""
 
+    def weight(self, samples: float, total: float) -> float:
+        """The factor ``reduce`` puts on a gradient of ``samples`` of the step's ``total``. A step the loop
+        accumulates as micro-batches under ``no_sync`` weighs each by it as its backward runs, and ``reduce`` gets
+        their sum as a step of weight 1 (``samples == total``)."""
+        return samples / total
+
     def count(self, samples: int, total: int) -> None:
         """Record a finished step (``samples`` here, ``total`` over all ranks)."""
 

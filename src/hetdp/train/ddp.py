@@ -38,6 +38,7 @@ from hetdp.sync.base import Synchronizer
 from hetdp.sync.gradient_sum import GradientSum
 from hetdp.sync.partial import PartialGradients
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
+from hetdp.train.accumulation import StepAccumulation
 from hetdp.train.clock import StepClock
 from hetdp.train.loader import AllocatedLoader, StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
@@ -106,7 +107,11 @@ class _OpenStep:
     ticket: StepTicket
     total: int
     """Samples of the step over all ranks."""
+    weight: tuple[float, float]
+    """(this rank's part, the step's whole) the comm hook weighs the step's gradient by."""
     started: bool = False
+    ends_accumulation: bool = False
+    """Whether the step's backward synchronizes gradients accumulated under ``no_sync``."""
 
 
 @contextlib.contextmanager
@@ -246,6 +251,8 @@ class DistributedDataParallel(TorchDDP):
         self.resume_random_state: dict[str, Any] | None = None
         """This rank's random state a loaded checkpoint saved; the allocated loader restores it as the loop starts."""
         self._checkpointer: Checkpointer | None = None
+        self._accumulation: StepAccumulation | None = None
+        """Set up by the first forward under ``no_sync``: gradients the loop accumulates, perhaps over steps."""
         self._next_epoch = 0
         """The epoch after the last one ended: where a checkpoint taken between epochs resumes."""
         self.step_figures: collections.deque[StepFigures] = collections.deque(maxlen=HISTORY_STEPS)
@@ -377,11 +384,12 @@ class DistributedDataParallel(TorchDDP):
                       self._open.ticket.step)
         if not self._epoch:
             self.begin_epoch(ticket.epoch)
-        self._open = _OpenStep(ticket, ticket.total if total is None else total)
-        self._hook.samples, self._hook.total = ticket.samples, self._open.total
+        total = ticket.total if total is None else total
+        weight = ((ticket.samples, total) if ticket.weights is None  # cost-balanced: its part of the step's cost
+                  else (ticket.weights[ticket.rank], sum(ticket.weights)))
+        self._open = _OpenStep(ticket, total, weight)
+        self._hook.samples, self._hook.total = weight
         self._hook.meets = self._meets_after(ticket)
-        if ticket.weights is not None:  # cost-balanced steps: weigh each rank by its part of the step's cost
-            self._hook.samples, self._hook.total = ticket.weights[ticket.rank], sum(ticket.weights)
 
     def _meets_after(self, ticket: StepTicket) -> bool:
         """Whether the ranks will meet after the step of ``ticket`` (every rank gives the same answer): every
@@ -400,12 +408,26 @@ class DistributedDataParallel(TorchDDP):
             self.clock.start(step.ticket.step, step.ticket.work)
         if step is not None and torch.is_grad_enabled():
             self.clock.forwards += 1
+            self._weigh_backward(step)
         stand_in = step is not None and step.ticket.samples == 0 and self.module.training
         # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
         broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
                      if self.will_sync_module_buffers() else contextlib.nullcontext())
         with broadcast, _evaluating(self.module) if stand_in else contextlib.nullcontext():
             return super().forward(*inputs, **kwargs)
+
+    def _weigh_backward(self, step: _OpenStep) -> None:
+        """Gradients accumulated under ``no_sync`` over several steps weigh each step by its own share
+        (``StepAccumulation``); the backward that synchronizes their sum then reduces it with weight 1."""
+        synchronizing = self.require_backward_grad_sync
+        if self._accumulation is None:
+            if synchronizing:
+                return
+            self._accumulation = StepAccumulation(self.module)
+        if self._accumulation.forward(self.synchronizer.weight(*step.weight), synchronizing):
+            step.ends_accumulation = True
+        if step.ends_accumulation:
+            self._hook.samples, self._hook.total = 1, 1
 
     def record_loss(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
         """Count a loss (the mean over ``samples``, default this step's) into the epoch report's ``loss``."""
@@ -421,8 +443,14 @@ class DistributedDataParallel(TorchDDP):
         step, self._open = self._open, None
         if step is None:
             raise ConfigError("end_step() without an open step (call begin_step first)")
-        self._hook.samples, self._hook.total, self._hook.reached, self._hook.meets = 1, self.world_size, False, False
+        reached, self._hook.reached = self._hook.reached, False
+        self._hook.samples, self._hook.total, self._hook.meets = 1, self.world_size, False
         ticket = step.ticket
+        if self._accumulation is not None:
+            self._accumulation.step_ended(self.synchronizer.weight(*step.weight), synchronized=reached)
+        if step.started and not reached:  # a micro-batch under no_sync: no bucket marked its end
+            self.clock.mark_ready(last_bucket=True)
+            self.clock.mark_synced()
         compute_s = self.clock.compute_s() if step.started else 0.0
         wait_s = self.clock.wait_s() if step.started else 0.0
         self.synchronizer.count(ticket.samples, step.total)
@@ -659,6 +687,8 @@ class DistributedDataParallel(TorchDDP):
         self._await_planning()
         self._heartbeat.stop()
         self.synchronizer.close()
+        if self._accumulation is not None:
+            self._accumulation.close()
         if self._writer is not None:
             self._writer.close()
         if self._own_group:

@@ -8,6 +8,7 @@ with a worker process, and rank 0 (or every rank) saves what the test checks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -66,6 +67,26 @@ def train(model: hetdp.DDP, loader, optimizer, epochs: int, *, clip: float | Non
                 scheduler.step()
 
 
+def train_accumulating(model: hetdp.DDP, loader, optimizer, epochs: int, every: int, *, adamw: bool = False):
+    """A user's loop that accumulates ``every`` batches under ``no_sync`` per optimizer step, counting batches
+    within each epoch (a window may run on into the next epoch)."""
+    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * len(loader))
+                 if adamw else None)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            synchronizing = (i + 1) % every == 0
+            with contextlib.nullcontext() if synchronizing else model.no_sync():
+                (nn.functional.cross_entropy(model(batch["x"]), batch["y"]) / every).backward()
+            if synchronizing:
+                if adamw:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+
+
 def loader_for(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=3), num_workers=workers)
 
@@ -116,6 +137,28 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
             if rank == 0:
                 torch.save(model.module.state_dict(), out / f"exact_{sync}.pt")
             model.close()
+    elif scenario == "accumulate":
+        # Two batches accumulated under no_sync per optimizer step. The shares change between the two (at step 1,
+        # as a re-plan may), and the epoch's last step, where two ranks join with stand-ins, ends a window.
+        for sync in ("allreduce", "full"):
+            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 3.0, 2.0)), sync)
+            loader = model.allocate(loader_for(Pairs(50), batch_size=4, workers=1))
+            model._schedule.append((1, [4, 2, 6, 4]))
+            train_accumulating(model, loader, make_optimizer(model, "adamw"), 2, every=2, adamw=True)
+            result[sync] = {"blocks": [f.shares for f in model.step_figures]}
+            if rank == 0:
+                torch.save(model.module.state_dict(), out / f"accumulate_{sync}.pt")
+            model.close()
+        # Adaptive shares on emulated devices: every batch, accumulated or not, is timed and paced alone, and the
+        # re-plans that follow land anywhere in a window (25 steps an epoch: one window runs into the next epoch).
+        model = hetdp.DDP(make_model(7 + rank), "adaptive", emulation=emulation)
+        loader = model.allocate(loader_for(Pairs(400), batch_size=4))
+        train_accumulating(model, loader, make_optimizer(model, "sgd"), 2, every=2)
+        result["adaptive"] = {"shares": model.shares, "replans": model.allocator.replans,
+                              "compute_s": [f.compute_s for f in model.step_figures]}
+        if rank == 0:
+            torch.save(model.module.state_dict(), out / "accumulate_adaptive.pt")
+        model.close()
     elif scenario == "policies":
         # The issue's crash: 2,050 samples, 4 ranks, 32 per rank: the last step holds 2 samples.
         for allocation in ("equal", hetdp.Static((1.0, 1.0, 2.0, 4.0)), "adaptive"):

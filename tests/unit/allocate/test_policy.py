@@ -88,3 +88,13 @@ def test_a_window_too_noisy_to_decide_on_grows_until_its_typical_time_holds():
     assert allocator.shares == [50, 50] and allocator.window() == 4 and allocator.measured == 2
     shares = allocator.observe([[0.10, 0.10], [0.05, 0.05]])  # four steps: the low quantile ignores the delayed one
     assert shares == [33, 67] and allocator.measured == 0
+
+
+def test_a_step_some_rank_did_not_time_is_left_out_of_the_window():
+    # A rank that ran no forward with gradients in a step reports 0 s: no speed can be read off it.
+    allocator = Allocator(Adaptive(replan_every=2), 2, 100)
+    allocator.measure([0.0, 0.01])
+    assert allocator.measured == 0
+    allocator.measure([0.04, 0.01])
+    allocator.measure([0.04, 0.01])
+    assert allocator.measured == 2 and allocator.replan() == [20, 80]
