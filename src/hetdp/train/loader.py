@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from hetdp.allocate.pack import CostBalance, pack_by_cost
 from hetdp.allocate.sampler import split_step
@@ -182,8 +189,12 @@ class StepSampler:
 
 
 def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tuple[bool, int]:
-    """The shuffle and seed the user's loader asked for, read off its sampler (or given)."""
+    """The shuffle and seed the user's loader asked for, read off its sampler (or given). A loader that batches
+    with a ``batch_sampler`` of its own ignores ``loader.sampler``: its order is the batch sampler's."""
     sampler = loader.sampler
+    if loader.batch_size is None:
+        batch_sampler = loader.batch_sampler
+        sampler = batch_sampler.sampler if type(batch_sampler) is BatchSampler else batch_sampler
     if isinstance(sampler, DistributedSampler):
         found = (sampler.shuffle, sampler.seed)
     elif isinstance(sampler, RandomSampler):
@@ -193,11 +204,18 @@ def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tup
     elif shuffle is None:
         raise ConfigError(
             f"allocate() replaces the loader's sampler and cannot imitate a {type(sampler).__name__}: use a "
-            f"DistributedSampler, or pass shuffle= (and seed=)"
+            f"DistributedSampler, or pass shuffle= (and seed=; cost= balances steps by length)"
         )
     else:
         found = (shuffle, 0)
     return (found[0] if shuffle is None else shuffle), (found[1] if seed is None else seed)
+
+
+def _drops_last(loader: DataLoader) -> bool:
+    """Whether the user's loader drops a partial last batch (a ``BatchSampler`` of its own says so itself)."""
+    batch_sampler = loader.batch_sampler
+    own = loader.batch_size is None and type(batch_sampler) is BatchSampler
+    return batch_sampler.drop_last if own else loader.drop_last
 
 
 _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -230,7 +248,7 @@ class AllocatedLoader:
         self.original = loader
         self.model = model
         self.sampler = StepSampler(len(dataset), global_batch, model.rank, shares_at=model.shares_at,
-                                   shuffle=shuffle, seed=seed, drop_last=loader.drop_last, cost=cost)
+                                   shuffle=shuffle, seed=seed, drop_last=_drops_last(loader), cost=cost)
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}
