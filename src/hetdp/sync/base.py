@@ -32,9 +32,9 @@ class Synchronizer(ABC):
         ``meets``: the ranks meet after this step (every rank says the same)."""
 
     def weight(self, samples: float, total: float) -> float:
-        """The factor ``reduce`` puts on a gradient of ``samples`` of the step's ``total``. A step the loop
-        accumulates as micro-batches under ``no_sync`` weighs each by it as its backward runs, and ``reduce`` gets
-        their sum as a step of weight 1 (``samples == total``)."""
+        """The factor ``reduce`` puts on a gradient of ``samples`` of the step's ``total``. Gradients the loop
+        accumulates over several steps under ``no_sync`` take each its own step's as its backward runs, and
+        ``reduce`` gets their sum as a step of weight 1 (``samples == total``)."""
         return samples / total
 
     def count(self, samples: int, total: int) -> None:

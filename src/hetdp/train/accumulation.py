@@ -31,8 +31,8 @@ class StepAccumulation:
         self._scale: float | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def forward(self, weight: float, synchronizing: bool) -> bool:
-        """A forward with gradients of a step of ``weight``; return whether its backward must be reduced with
+    def forward_starts(self, weight: float, synchronizing: bool) -> bool:
+        """A forward with gradients of a step of ``weight`` starts; return whether its backward must be reduced with
         weight 1 (it completes a window that spans steps)."""
         if not synchronizing:
             self.waiting = True

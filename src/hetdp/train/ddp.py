@@ -424,7 +424,7 @@ class DistributedDataParallel(TorchDDP):
             if synchronizing:
                 return
             self._accumulation = StepAccumulation(self.module)
-        if self._accumulation.forward(self.synchronizer.weight(*step.weight), synchronizing):
+        if self._accumulation.forward_starts(self.synchronizer.weight(*step.weight), synchronizing):
             step.ends_accumulation = True
         if step.ends_accumulation:
             self._hook.samples, self._hook.total = 1, 1

@@ -23,7 +23,7 @@ def test_a_window_over_steps_sums_each_steps_gradient_times_its_own_weight(weigh
     accumulation = StepAccumulation(model)
     for index, (weight, x) in enumerate(zip(weights, inputs)):
         last = index == len(weights) - 1
-        reduces_with_one = accumulation.forward(weight, synchronizing=last)
+        reduces_with_one = accumulation.forward_starts(weight, synchronizing=last)
         model(x).sum().backward()
         accumulation.step_ended(weight, synchronized=last)
         assert reduces_with_one == last  # the synchronizing step sums what the others weighed
@@ -38,9 +38,9 @@ def test_micro_batches_within_one_step_are_left_to_the_comm_hook_to_weigh():
     expected = _gradient(model, first) + _gradient(model, second)
     model.zero_grad()
     accumulation = StepAccumulation(model)
-    assert not accumulation.forward(0.25, synchronizing=False)
+    assert not accumulation.forward_starts(0.25, synchronizing=False)
     model(first).sum().backward()
-    assert not accumulation.forward(0.25, synchronizing=True)
+    assert not accumulation.forward_starts(0.25, synchronizing=True)
     model(second).sum().backward()
     accumulation.step_ended(0.25, synchronized=True)
     torch.testing.assert_close(model.weight.grad, expected)  # unweighted: one step, one weight, in the hook
@@ -49,10 +49,10 @@ def test_micro_batches_within_one_step_are_left_to_the_comm_hook_to_weigh():
 def test_closed_it_no_longer_scales_gradients():
     model = nn.Linear(3, 2, bias=False)
     accumulation = StepAccumulation(model)
-    accumulation.forward(0.5, synchronizing=False)
+    accumulation.forward_starts(0.5, synchronizing=False)
     model(torch.ones(1, 3)).sum().backward()
     accumulation.step_ended(0.5, synchronized=False)
-    accumulation.forward(0.5, synchronizing=True)
+    accumulation.forward_starts(0.5, synchronizing=True)
     accumulation.close()
     model.zero_grad()
     model(torch.ones(1, 3)).sum().backward()
