@@ -31,7 +31,8 @@ MAX_WINDOW = 16
 """The longest a noisy window grows, in steps."""
 MEETING_WINDOW = 10
 """Under partial and local synchronization, where random stragglers put the ranks out of step, an adaptive
-allocation re-plans on no fewer measured steps (the drop-in's rule, which the simulator mirrors)."""
+allocation re-plans on no fewer measured steps after its first decision (``Allocator.out_of_step_window``: the
+drop-in's rule, which the simulator mirrors)."""
 PLAN_LAG = 2
 """Partial and local synchronization: steps a rank runs between handing its step times to a planning gather and
 waiting for everyone's. The ranks there are not in step, and a gather completes only once the last rank joins it;
@@ -280,6 +281,14 @@ class Allocator:
         # straggler in two steps, say) would roll back a plan that a longer one found to pay.
         trial_steps = self._proposed_from if self.adaptive.trial is not None else 0
         return max(window, self._extended or 0, trial_steps) if window else window
+
+    def out_of_step_window(self) -> int:
+        """The fewest measured steps a re-plan takes where random stragglers put the ranks out of step (partial and
+        local synchronization): ``MEETING_WINDOW``, except for the first decision. The shares that one replaces were
+        never measured, and on unequal devices equal shares cost every step more than a short window's noise risks
+        (the noise guard still lengthens a window too noisy to plan on, and a trial rolls back a plan that proves
+        slower)."""
+        return MEETING_WINDOW if self._proposed_from else 0
 
     @property
     def measured(self) -> int:

@@ -15,8 +15,9 @@ local runs meet (flush the rounds in flight, average the parameters) when the
 drop-in meets: every K steps for ``local:K``, and at the end. Adaptive
 allocation runs the drop-in's own ``Allocator`` on the simulated compute times,
 so it re-plans at the same steps, to the same shares: under partial and local
-synchronization on ``MEETING_WINDOW`` measured steps or more, from a gather in
-the background whose plan applies ``PLAN_LAG`` steps later, as the drop-in's.
+synchronization on ``MEETING_WINDOW`` measured steps or more after its first
+decision (``Allocator.out_of_step_window``), from a gather in the background
+whose plan applies ``PLAN_LAG`` steps later, as the drop-in's.
 A grace is a part of the rank's current step, where the drop-in takes the median
 of its recent ones. Not simulated: a rank's wait for that gather (the last rank
 is rarely ``PLAN_LAG`` steps behind).
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG, Adaptive, Allocator, Equal, Static
+from hetdp.allocate.policy import PLAN_LAG, Adaptive, Allocator, Equal, Static
 from hetdp.collectives.protocol import GRACE, initiator
 from hetdp.errors import ConfigError
 
@@ -188,8 +189,9 @@ class _Run:
         seconds = []
         for step in range(first, end):
             seconds.append(self.compute(step))
-            if self.gather_due(window_min=MEETING_WINDOW):
-                self.plan(step + 1 + PLAN_LAG, window_min=MEETING_WINDOW)
+            window_min = self.allocator.out_of_step_window()
+            if self.gather_due(window_min=window_min):
+                self.plan(step + 1 + PLAN_LAG, window_min=window_min)
         return seconds
 
     def collective(self, seconds: float) -> None:
@@ -382,4 +384,4 @@ def _meet(run: _Run, ends: np.ndarray, step: int) -> None:
         run.rounds += 1
         run.last_round_end_s = run.clock_s
     run.collective(run.costs.average_s)
-    run.plan(step, window_min=MEETING_WINDOW)
+    run.plan(step, window_min=run.allocator.out_of_step_window())

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.pack import CostBalance
-from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG, AllocationPolicy, Allocator, allocation_policy
+from hetdp.allocate.policy import PLAN_LAG, AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
@@ -405,6 +405,7 @@ class DistributedDataParallel(TorchDDP):
         step = self._open
         if step is not None and not step.started and torch.is_grad_enabled():
             step.started = True
+            self._rebuild_buckets()
             self.clock.start(step.ticket.step, step.ticket.work)
         if step is not None and torch.is_grad_enabled():
             self.clock.forwards += 1
@@ -415,6 +416,15 @@ class DistributedDataParallel(TorchDDP):
                      if self.will_sync_module_buffers() else contextlib.nullcontext())
         with broadcast, _evaluating(self.module) if stand_in else contextlib.nullcontext():
             return super().forward(*inputs, **kwargs)
+
+    def _rebuild_buckets(self) -> None:
+        """Let torch's DDP rebuild its gradient buckets (once, at the second step's forward) before the step's
+        compute is timed: the rebuild is a collective, and where the ranks are out of step (partial and local
+        synchronization) a fast rank would time its wait for the slowest as compute, and the first plan would
+        read a window that noise, delaying it. torch's own call in ``forward`` then finds nothing to rebuild."""
+        with peer_failures("DDP's bucket rebuild", self.step_timeout_s, self._group):
+            if self.reducer._rebuild_buckets():
+                self._has_rebuilt_buckets = True
 
     def _weigh_backward(self, step: _OpenStep) -> None:
         """Gradients accumulated under ``no_sync`` over several steps weigh each step by its own share
@@ -530,13 +540,14 @@ class DistributedDataParallel(TorchDDP):
 
     def _planning_gather_due(self) -> bool:
         """Partial and local synchronization: an adaptive allocation gathers its step times in the background
-        (``PLAN_LAG``) once ``MEETING_WINDOW`` steps or more were measured at the current shares (a window that short
-        still has robust statistics under random stragglers), while the shares settle and, once stable, while it
-        watches for drift; only the synchronization's own meetings make the ranks wait for each other."""
+        (``PLAN_LAG``) once its window was measured at the current shares, ``MEETING_WINDOW`` steps or more after its
+        first decision (a window that short still has robust statistics under random stragglers), while the shares
+        settle and, once stable, while it watches for drift; only the synchronization's own meetings make the ranks
+        wait for each other."""
         if self.allocator is None or self._planning is not None:
             return False
         window = self.allocator.window()
-        return bool(window) and self._window_steps() >= max(window, MEETING_WINDOW)
+        return bool(window) and self._window_steps() >= max(window, self.allocator.out_of_step_window())
 
     def _window_steps(self) -> int:
         """Steps measured at the current shares, gathered or not: what the allocator's next re-plan would use."""
@@ -618,8 +629,10 @@ class DistributedDataParallel(TorchDDP):
         allocator = self.allocator
         # Under partial and local synchronization a meeting soon after the last (at an epoch's end) holds too few
         # steps for robust statistics under random stragglers: they count towards the next meeting's re-plan.
-        min_steps = 0 if self.synchronizer.meets_every_step else MEETING_WINDOW
-        if allocator is None or not allocator.due(epoch_end, min_steps):
+        if allocator is None:
+            return
+        min_steps = 0 if self.synchronizer.meets_every_step else allocator.out_of_step_window()
+        if not allocator.due(epoch_end, min_steps):
             return
         shares = allocator.replan()
         if shares is None:

@@ -91,14 +91,17 @@ def loader_for(dataset: Dataset, batch_size: int, workers: int = 0) -> DataLoade
     return DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=3), num_workers=workers)
 
 
-def record_replan_windows(allocator: Allocator) -> list[int]:
-    """The steps each re-plan of ``allocator`` is offered, in order (filled as the run goes)."""
-    windows: list[int] = []
+def record_replan_windows(allocator: Allocator) -> list[tuple[int, bool]]:
+    """The steps each re-plan of ``allocator`` is offered, and whether it decided on them (not too noisy), in order
+    (filled as the run goes)."""
+    windows: list[tuple[int, bool]] = []
     replan = allocator.replan
 
     def recorded() -> list[int] | None:
-        windows.append(allocator.measured)
-        return replan()
+        measured = allocator.measured
+        shares = replan()
+        windows.append((measured, allocator.measured == 0))
+        return shares
 
     allocator.replan = recorded
     return windows
@@ -293,6 +296,15 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         train(model, loader, make_optimizer(model, "sgd"), 1)
         result["majority"] = {"steps": len(loader), "blocks": [f.shares for f in model.step_figures],
                               "replans": model.allocator.replans, "shares": model.shares}
+        model.close()
+    elif scenario == "rebuild":
+        # Out of step (local averaging), one fast rank: torch's DDP rebuilds its buckets, a collective, as the second
+        # step's forward starts; the fast rank waits there for the slow ones, which is not its compute.
+        model = hetdp.DDP(make_model(), "equal", "local",
+                          emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 8.0), sample_cost_ms=10.0))
+        loader = model.allocate(loader_for(Pairs(128), batch_size=8))
+        train(model, loader, make_optimizer(model, "sgd"), 1)
+        result = {"compute_s": [f.compute_s for f in model.step_figures]}
         model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from hetdp import Adaptive, ClusterSpec, ConfigError, DeviceSpec, Equal, Planned, Static
-from hetdp.allocate.policy import Allocator, allocation_policy
+from hetdp.allocate.policy import MEETING_WINDOW, Allocator, allocation_policy
 
 
 @pytest.mark.parametrize(
@@ -98,3 +98,10 @@ def test_a_step_some_rank_did_not_time_is_left_out_of_the_window():
     allocator.measure([0.04, 0.01])
     allocator.measure([0.04, 0.01])
     assert allocator.measured == 2 and allocator.replan() == [20, 80]
+
+
+def test_out_of_step_only_the_first_decision_comes_from_a_short_window():
+    allocator = Allocator(Adaptive(replan_every=2), 2, 100)
+    assert allocator.out_of_step_window() == 0  # equal shares were never measured: the rule's own window suffices
+    allocator.observe([[0.04, 0.04], [0.01, 0.01]])
+    assert allocator.shares == [20, 80] and allocator.out_of_step_window() == MEETING_WINDOW
