@@ -33,7 +33,7 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    scenarios = "exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,rebuild,metrics"
+    scenarios = "exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,out_of_step,metrics"
     return launch(torchrun, tmp_path_factory.mktemp("dropin"), scenarios)
 
 
@@ -207,19 +207,18 @@ def test_adaptive_shares_re_plan_from_background_gathers_without_averaging_the_r
 
 
 def test_out_of_step_the_first_plan_comes_from_the_rules_own_window(out):
-    # Equal shares on unequal devices cost every step: the first decision does not wait for MEETING_WINDOW steps
-    # (a prefetching loader and the background gather still delay where it applies).
-    figures = load(out, "background")[0]
-    for run in (figures, figures["majority"]):
-        first = next(i for i, block in enumerate(run["blocks"]) if block != [8, 8, 8, 8])
-        assert first < MEETING_WINDOW + PLAN_LAG, run["blocks"][: MEETING_WINDOW + PLAN_LAG + 1]
+    # Equal shares on unequal devices cost every step: the first decision does not wait for MEETING_WINDOW steps.
+    blocks = load(out, "out_of_step")[0]["blocks"]
+    first = next(i for i, block in enumerate(blocks) if block != [8, 8, 8, 8])
+    assert first < MEETING_WINDOW + PLAN_LAG, blocks[: MEETING_WINDOW + PLAN_LAG + 1]
 
 
 def test_the_fast_rank_does_not_time_ddps_bucket_rebuild_as_compute(out):
-    # Emulated compute per step: 80 ms on ranks 0-2, 10 ms on rank 3. Timed with the rebuild, rank 3's second step
-    # read as long as the slow ranks' (it waited for them), and the first plan read a noisy window.
-    compute = load(out, "rebuild")[0]["compute_s"]
-    assert all(step[3] < 0.5 * step[0] for step in compute), compute[:3]
+    # At equal shares the emulated compute is 80 ms a step on ranks 0-2 and 10 ms on rank 3. Timed with the rebuild,
+    # rank 3's second step read as long as the slow ranks' (it waited for them), and its first window as noise.
+    figures = load(out, "out_of_step")[0]
+    equal = [compute for compute, block in zip(figures["compute_s"], figures["blocks"]) if block == [8, 8, 8, 8]]
+    assert len(equal) >= 2 and all(step[3] < 0.5 * step[0] for step in equal), equal[:3]
 
 
 def test_metrics_are_written_for_every_step_and_rank(out):

@@ -420,8 +420,8 @@ class DistributedDataParallel(TorchDDP):
     def _rebuild_buckets(self) -> None:
         """Let torch's DDP rebuild its gradient buckets (once, at the second step's forward) before the step's
         compute is timed: the rebuild is a collective, and where the ranks are out of step (partial and local
-        synchronization) a fast rank would time its wait for the slowest as compute, and the first plan would
-        read a window that noise, delaying it. torch's own call in ``forward`` then finds nothing to rebuild."""
+        synchronization) a fast rank would time its wait for the slowest as compute: its window would read as noise,
+        and the first plan would wait for more steps. torch's own call in ``forward`` then finds nothing to rebuild."""
         with peer_failures("DDP's bucket rebuild", self.step_timeout_s, self._group):
             if self.reducer._rebuild_buckets():
                 self._has_rebuilt_buckets = True

@@ -297,14 +297,16 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         result["majority"] = {"steps": len(loader), "blocks": [f.shares for f in model.step_figures],
                               "replans": model.allocator.replans, "shares": model.shares}
         model.close()
-    elif scenario == "rebuild":
-        # Out of step (local averaging), one fast rank: torch's DDP rebuilds its buckets, a collective, as the second
-        # step's forward starts; the fast rank waits there for the slow ones, which is not its compute.
-        model = hetdp.DDP(make_model(), "equal", "local",
+    elif scenario == "out_of_step":
+        # Local averaging, adaptive shares, one fast rank (emulated 80 ms a step against 10 at equal shares). The
+        # first plan takes the rule's own window. torch's DDP rebuilds its buckets, a collective, as the second
+        # step's forward starts: the fast rank waits there for the slow ones, which is not its compute.
+        model = hetdp.DDP(make_model(), "adaptive", "local",
                           emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 8.0), sample_cost_ms=10.0))
-        loader = model.allocate(loader_for(Pairs(128), batch_size=8))
+        loader = model.allocate(loader_for(Pairs(512), batch_size=8))
         train(model, loader, make_optimizer(model, "sgd"), 1)
-        result = {"compute_s": [f.compute_s for f in model.step_figures]}
+        result = {"compute_s": [f.compute_s for f in model.step_figures],
+                  "blocks": [f.shares for f in model.step_figures]}
         model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"
