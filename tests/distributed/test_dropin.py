@@ -37,49 +37,9 @@ def out(tmp_path_factory, torchrun) -> Path:
     return launch(torchrun, tmp_path_factory.mktemp("dropin"), scenarios)
 
 
-def reference(size: int, global_batch: int, epochs: int, kind: str) -> dict[str, torch.Tensor]:
-    """One process on the union of the ranks' batches, with the mean loss over each global batch."""
-    model = make_model(7)
-    optimizer = make_optimizer(model, kind)
-    steps = -(-size // global_batch)
-    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps)
-                 if kind == "adamw" else None)
-    data = Pairs(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=3,
-                          drop_last=False)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        for first in range(0, size, global_batch):
-            index = torch.tensor(order[first : first + global_batch])
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
-            if kind == "adamw":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-    return model.state_dict()
-
-
-@pytest.mark.parametrize(("sync", "kind"), [("allreduce", "adamw"), ("full", "adamw"), ("local:1", "sgd")])
-def test_unequal_shares_in_the_users_loop_train_as_one_process_on_the_global_batch(out, sync, kind):
-    # AdamW with a per-step schedule and clipping, dict batches from a DataLoader worker, a last step of 2 samples
-    # for 4 ranks; a partial allreduce whose every round holds all ranks (full), and merges after every step of
-    # plain SGD (local:1), give the same parameters as the allreduce: rounds and merges weigh samples.
-    figures = load(out, "exact")[0][sync]
-    assert figures["shares"] == [2, 4, 6, 4] and figures["steps"] == 4
-    assert all(sum(samples) == 50 for samples in figures["samples"])
-    assert figures["blocks"][3] == [0, 1, 1, 0]  # two ranks sit out the last step with a stand-in
-    expected = reference(50, 16, 2, kind)
-    for name, tensor in torch.load(out / f"exact_{sync}.pt").items():
-        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
-
-
-def accumulated_reference(size: int, global_batch: int, epochs: int, every: int, kind: str
-                          ) -> dict[str, torch.Tensor]:
-    """One process accumulating ``every`` global batches per optimizer step, batches counted within each epoch as
-    the ranks' loop does, each batch's loss its mean over the global batch, over ``every``."""
+def reference(size: int, global_batch: int, epochs: int, kind: str, every: int = 1) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches, with the mean loss over each global batch, ``every`` global
+    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does)."""
     model = make_model(7)
     optimizer = make_optimizer(model, kind)
     steps = -(-size // global_batch)
@@ -104,6 +64,20 @@ def accumulated_reference(size: int, global_batch: int, epochs: int, every: int,
     return model.state_dict()
 
 
+@pytest.mark.parametrize(("sync", "kind"), [("allreduce", "adamw"), ("full", "adamw"), ("local:1", "sgd")])
+def test_unequal_shares_in_the_users_loop_train_as_one_process_on_the_global_batch(out, sync, kind):
+    # AdamW with a per-step schedule and clipping, dict batches from a DataLoader worker, a last step of 2 samples
+    # for 4 ranks; a partial allreduce whose every round holds all ranks (full), and merges after every step of
+    # plain SGD (local:1), give the same parameters as the allreduce: rounds and merges weigh samples.
+    figures = load(out, "exact")[0][sync]
+    assert figures["shares"] == [2, 4, 6, 4] and figures["steps"] == 4
+    assert all(sum(samples) == 50 for samples in figures["samples"])
+    assert figures["blocks"][3] == [0, 1, 1, 0]  # two ranks sit out the last step with a stand-in
+    expected = reference(50, 16, 2, kind)
+    for name, tensor in torch.load(out / f"exact_{sync}.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
+
+
 @pytest.mark.parametrize("sync", ["allreduce", "full"])
 def test_gradients_accumulated_under_no_sync_weigh_each_batch_by_its_own_shares(out, sync):
     # The shares change inside a window (step 1) and the last step's stand-ins end one: weighed by the last
@@ -111,7 +85,7 @@ def test_gradients_accumulated_under_no_sync_weigh_each_batch_by_its_own_shares(
     blocks = load(out, "accumulate")[0][sync]["blocks"]
     assert blocks[:3] == [[2, 4, 6, 4], [4, 2, 6, 4], [4, 2, 6, 4]]
     assert sum(blocks[3]) == 2 and blocks[3].count(0) == 2  # two ranks join the last step with a stand-in
-    expected = accumulated_reference(50, 16, 2, 2, "adamw")
+    expected = reference(50, 16, 2, "adamw", every=2)
     for name, tensor in torch.load(out / f"accumulate_{sync}.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
 
@@ -122,7 +96,7 @@ def test_accumulating_batches_are_timed_and_rebalanced_with_exact_gradients(out)
     assert figures["replans"] >= 1
     shares = figures["shares"]
     assert shares[0] < shares[2] < shares[3] and shares[1] < shares[2], shares  # emulated speeds 1, 1, 2, 4
-    expected = accumulated_reference(400, 16, 2, 2, "sgd")
+    expected = reference(400, 16, 2, "sgd", every=2)
     for name, tensor in torch.load(out / "accumulate_adaptive.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
 

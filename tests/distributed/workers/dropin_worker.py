@@ -50,28 +50,12 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
-def train(model: hetdp.DDP, loader, optimizer, epochs: int, *, clip: float | None = None, schedule: bool = False):
-    """The user's loop, untouched by hetdp: every option a real loop has."""
+def train(model: hetdp.DDP, loader, optimizer, epochs: int, *, clip: float | None = None, schedule: bool = False,
+          every: int = 1):
+    """The user's loop, untouched by hetdp: every option a real loop has, ``every`` batches accumulated under
+    ``no_sync`` per optimizer step (counted within each epoch: a window may run on into the next)."""
     scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * len(loader))
                  if schedule else None)
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-
-
-def train_accumulating(model: hetdp.DDP, loader, optimizer, epochs: int, every: int, *, adamw: bool = False):
-    """A user's loop that accumulates ``every`` batches under ``no_sync`` per optimizer step, counting batches
-    within each epoch (a window may run on into the next epoch)."""
-    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * len(loader))
-                 if adamw else None)
     for epoch in range(epochs):
         loader.sampler.set_epoch(epoch)
         for i, batch in enumerate(loader):
@@ -79,8 +63,8 @@ def train_accumulating(model: hetdp.DDP, loader, optimizer, epochs: int, every: 
             with contextlib.nullcontext() if synchronizing else model.no_sync():
                 (nn.functional.cross_entropy(model(batch["x"]), batch["y"]) / every).backward()
             if synchronizing:
-                if adamw:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad()
                 if scheduler is not None:
@@ -147,7 +131,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
             model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 3.0, 2.0)), sync)
             loader = model.allocate(loader_for(Pairs(50), batch_size=4, workers=1))
             model._schedule.append((1, [4, 2, 6, 4]))
-            train_accumulating(model, loader, make_optimizer(model, "adamw"), 2, every=2, adamw=True)
+            train(model, loader, make_optimizer(model, "adamw"), 2, clip=0.5, schedule=True, every=2)
             result[sync] = {"blocks": [f.shares for f in model.step_figures]}
             if rank == 0:
                 torch.save(model.module.state_dict(), out / f"accumulate_{sync}.pt")
@@ -156,7 +140,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         # re-plans that follow land anywhere in a window (25 steps an epoch: one window runs into the next epoch).
         model = hetdp.DDP(make_model(7 + rank), "adaptive", emulation=emulation)
         loader = model.allocate(loader_for(Pairs(400), batch_size=4))
-        train_accumulating(model, loader, make_optimizer(model, "sgd"), 2, every=2)
+        train(model, loader, make_optimizer(model, "sgd"), 2, every=2)
         result["adaptive"] = {"shares": model.shares, "replans": model.allocator.replans,
                               "compute_s": [f.compute_s for f in model.step_figures]}
         if rank == 0:
