@@ -33,7 +33,8 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    scenarios = "exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,out_of_step,metrics"
+    scenarios = ("exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,out_of_step,"
+                 "two_backwards,metrics")
     return launch(torchrun, tmp_path_factory.mktemp("dropin"), scenarios)
 
 
@@ -193,6 +194,17 @@ def test_the_fast_rank_does_not_time_ddps_bucket_rebuild_as_compute(out):
     figures = load(out, "out_of_step")[0]
     equal = [compute for compute, block in zip(figures["compute_s"], figures["blocks"]) if block == [8, 8, 8, 8]]
     assert len(equal) >= 2 and all(step[3] < 0.5 * step[0] for step in equal), equal[:3]
+
+
+def test_a_step_of_two_synchronized_backwards_is_timed_without_the_wait_between_them(out):
+    # At equal shares rank 3 computes 10 ms a step, the others 80. Timed to its second backward's end, rank 3's step
+    # held its wait for the others at the end of the first: it read 80 ms like theirs, and the shares never moved.
+    figures = load(out, "two_backwards")[0]
+    equal = [(compute, wait) for compute, wait, block in zip(figures["compute_s"], figures["wait_s"], figures["blocks"])
+             if block == [8, 8, 8, 8]]
+    assert equal and all(compute[3] < 0.5 * compute[0] for compute, _ in equal), equal
+    assert all(wait[3] > 0.5 * (compute[0] - compute[3]) for compute, wait in equal), equal  # counted as wait
+    assert figures["blocks"][-1][3] > 2 * figures["blocks"][-1][0], figures["blocks"][-1]
 
 
 def test_metrics_are_written_for_every_step_and_rank(out):

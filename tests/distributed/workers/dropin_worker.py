@@ -292,6 +292,23 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         result = {"compute_s": [f.compute_s for f in model.step_figures],
                   "blocks": [f.shares for f in model.step_figures]}
         model.close()
+    elif scenario == "two_backwards":
+        # Two synchronized backwards a step, as a GAN's discriminator runs them, under allreduce and adaptive shares,
+        # with one fast rank (emulated 80 ms a step against 10 at equal shares). The fast rank waits at the end of
+        # the first backward for the slow ones: that is not compute of its second.
+        model = hetdp.DDP(make_model(), "adaptive",
+                          emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 8.0), sample_cost_ms=10.0))
+        loader = model.allocate(loader_for(Pairs(512), batch_size=8))
+        optimizer = make_optimizer(model, "sgd")
+        for batch in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+            nn.functional.cross_entropy(model(-batch["x"]), 1 - batch["y"]).backward()
+            optimizer.step()
+        result = {"compute_s": [f.compute_s for f in model.step_figures],
+                  "wait_s": [f.wait_s for f in model.step_figures],
+                  "blocks": [f.shares for f in model.step_figures]}
+        model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"
         model = hetdp.DDP(make_model(), hetdp.Static((1.0, 1.0, 2.0, 4.0)),
