@@ -16,7 +16,7 @@ from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG
 from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from dropin_worker import Pairs, make_model, make_optimizer  # noqa: E402
+from dropin_worker import Pairs, make_model, make_optimizer, make_tower  # noqa: E402
 
 RANKS = 4
 
@@ -33,15 +33,17 @@ def load(out: Path, scenario: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     """One launch for every scenario whose emulation, if any, is given in code."""
-    scenarios = ("exact,accumulate,policies,batchnorm,drift,partial,meetings,momentum,background,out_of_step,"
+    scenarios = ("exact,accumulate,follow,policies,batchnorm,drift,partial,meetings,momentum,background,out_of_step,"
                  "two_backwards,metrics")
     return launch(torchrun, tmp_path_factory.mktemp("dropin"), scenarios)
 
 
-def reference(size: int, global_batch: int, epochs: int, kind: str, every: int = 1) -> dict[str, torch.Tensor]:
+def reference(size: int, global_batch: int, epochs: int, kind: str, every: int = 1, tower: bool = False
+              ) -> dict[str, torch.Tensor]:
     """One process on the union of the ranks' batches, with the mean loss over each global batch, ``every`` global
-    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does)."""
-    model = make_model(7)
+    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does); ``tower``: the
+    model is fed by ``make_tower``'s."""
+    model = nn.Sequential(make_tower(7), make_model(7)) if tower else make_model(7)
     optimizer = make_optimizer(model, kind)
     steps = -(-size // global_batch)
     scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps)
@@ -89,6 +91,15 @@ def test_gradients_accumulated_under_no_sync_weigh_each_batch_by_its_own_shares(
     expected = reference(50, 16, 2, "adamw", every=2)
     for name, tensor in torch.load(out / f"accumulate_{sync}.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"{sync} {name}")
+
+
+def test_a_model_that_follows_anothers_steps_trains_as_one_process_on_the_global_batch(out):
+    figures = load(out, "follow")[0]
+    assert figures["blocks"][:4] == [[2, 4, 6, 4], [2, 4, 6, 4], [2, 4, 6, 4], [0, 1, 1, 0]]
+    assert figures["follower_steps"] == 8 and figures["follower_epochs"] == 2  # it opened and closed every one
+    expected = reference(50, 16, 2, "sgd", tower=True)
+    for name, tensor in torch.load(out / "follow.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=name)
 
 
 def test_accumulating_batches_are_timed_and_rebalanced_with_exact_gradients(out):

@@ -37,7 +37,7 @@ from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.gradient_sum import GradientSum
 from hetdp.sync.partial import PartialGradients
-from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
+from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy, sync_policy
 from hetdp.train.accumulation import StepAccumulation
 from hetdp.train.clock import StepClock
 from hetdp.train.loader import AllocatedLoader, StepTicket
@@ -126,6 +126,12 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def _waits_for_rounds(spec: SyncPolicy) -> bool:
+    """Whether the synchronization is a partial allreduce whose rounds wait for other ranks (all but solo and
+    quorum:1, where a rank's own arrival fires its round)."""
+    return isinstance(spec, Partial) and spec.mode != "solo" and not (spec.mode == "quorum" and spec.quorum == 1)
+
+
 def _synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> Synchronizer:
     if isinstance(spec, Allreduce):
         return GradientSum(group, timeout_s)
@@ -191,6 +197,7 @@ class DistributedDataParallel(TorchDDP):
         metrics: MetricsConfig | None = None,
         emulation: Emulation | None = None,
         process_group: dist.ProcessGroup | None = None,
+        follow: DistributedDataParallel | None = None,
         **ddp_options: Any,
     ) -> None:
         """Wrap ``module`` (already on its device); collective over ``process_group``.
@@ -205,6 +212,10 @@ class DistributedDataParallel(TorchDDP):
             metrics: where rank 0 writes per-step and per-epoch figures (CSV, TensorBoard), if anywhere.
             emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
             process_group: the ranks training together (None: a new group of all ranks with ``step_timeout_s``).
+            follow: another ``hetdp.DDP`` whose steps this model shares, in the same loop on the same batches (a
+                GAN's generator beside its discriminator, one tower of several): its gradient is weighed by that
+                model's shares, exactly the mean over the step's samples, and that model's loader, timing and
+                emulation cover the step. It takes no ``allocation`` or ``emulation`` of its own, nor a loader.
             ddp_options: passed to ``torch.nn.parallel.DistributedDataParallel`` (``device_ids``, ...).
 
         Raises:
@@ -214,9 +225,26 @@ class DistributedDataParallel(TorchDDP):
             raise ConfigError("hetdp.DDP needs torch.distributed: call init_process_group (or hetdp.init_distributed)")
         if not step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0 seconds, got {step_timeout_s!r}")
+        if follow is not None:
+            if not isinstance(follow, DistributedDataParallel):
+                raise ConfigError(f"follow must be a hetdp.DDP, got {type(follow).__name__}")
+            if allocation is not None or emulation is not None:
+                raise ConfigError("a model that follows another takes its shares and emulation: give allocation= "
+                                  "and emulation= to the model it follows")
         policy, sync_spec = allocation_policy(allocation), sync_policy(sync)
+        if follow is not None and (_waits_for_rounds(sync_spec) or _waits_for_rounds(follow.sync)):
+            raise ConfigError(f"a model that follows another cannot run beside it under {sync_spec.describe()} and "
+                              f"{follow.sync.describe()}: a partial allreduce whose rounds wait for other ranks "
+                              "(majority, quorum, full) would wait on the other model's exchange and they would "
+                              "deadlock; use allreduce, solo or local for both")
         own_group = process_group is None
         group = dist.new_group(timeout=datetime.timedelta(seconds=step_timeout_s)) if own_group else process_group
+        place = (dist.get_rank(group), dist.get_world_size(group))
+        if follow is not None and (follow.rank, follow.world_size) != place:
+            if own_group:
+                dist.destroy_process_group(group)
+            raise ConfigError(f"a model follows another on the same ranks: this is rank {place[0]} of {place[1]}, "
+                              f"the one it follows rank {follow.rank} of {follow.world_size}")
         # Partial and local synchronization must not make every forward wait for rank 0's buffers.
         every_step = isinstance(sync_spec, Allreduce)
         if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
@@ -227,12 +255,13 @@ class DistributedDataParallel(TorchDDP):
         self.allocation = policy
         self.sync = sync_spec
         self.step_timeout_s = step_timeout_s
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = place
         self._own_group = own_group
         self._group: dist.ProcessGroup | None = group
         device = next(module.parameters()).device
-        self.emulation = emulation if emulation is not None else Emulation.from_env()
+        # A follower's steps run inside its leader's, which the emulation already paces.
+        self.emulation = Emulation() if follow is not None else emulation if emulation is not None else (
+            Emulation.from_env())
         self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
         self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s)
         self._hook = _HookState(self.clock, self.synchronizer, self.world_size)
@@ -266,6 +295,11 @@ class DistributedDataParallel(TorchDDP):
         self._planning: _PlanningGather | None = None
         """Partial and local synchronization: the planning gather in flight, if any."""
         self._epoch: dict[str, Any] = {}
+        self._followers: list[weakref.ref[DistributedDataParallel]] = []
+        """Models built with ``follow=self``, weakly held: each opens and closes its steps and epochs with this one's."""
+        self._follows = follow is not None
+        if follow is not None:
+            follow._followers.append(weakref.ref(self))
         self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
 
@@ -299,8 +333,11 @@ class DistributedDataParallel(TorchDDP):
         Raises:
             ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, a global batch too small
                 for the ranks, or one above the sum of capped ranks' ``max_batch`` (the drop-in cannot split a
-                share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``).
+                share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``); a model
+                that follows another (its leader's loader cuts the steps).
         """
+        if self._follows:
+            raise ConfigError("this model follows another's steps: allocate that model's loader")
         if global_batch is None:
             if loader.batch_size is None:
                 raise ConfigError("the loader has no batch_size (a batch_sampler?): pass global_batch=")
@@ -362,6 +399,8 @@ class DistributedDataParallel(TorchDDP):
         self._epoch = {"epoch": epoch, "first": self.steps_done - start_step, "started": time.perf_counter(),
                        "compute_s": 0.0, "wait_s": 0.0, "samples": 0, "steps": 0, "loss": None, "loss_samples": 0,
                        "replans": []}
+        for model in self._following():
+            model.begin_epoch(epoch, start_step)
 
     def begin_step(self, samples: int, total: int) -> None:
         """Open a step in which this rank computes ``samples`` of the step's ``total`` (0: a stand-in batch, run in
@@ -390,6 +429,8 @@ class DistributedDataParallel(TorchDDP):
         self._open = _OpenStep(ticket, total, weight)
         self._hook.samples, self._hook.total = weight
         self._hook.meets = self._meets_after(ticket)
+        for model in self._following():
+            model.begin_ticket(ticket, total)
 
     def _meets_after(self, ticket: StepTicket) -> bool:
         """Whether the ranks will meet after the step of ``ticket`` (every rank gives the same answer): every
@@ -479,6 +520,8 @@ class DistributedDataParallel(TorchDDP):
                 self._gather_and_plan(meet=True)
             elif self._planning_gather_due():
                 self._start_planning()
+        for model in self._following():  # before a checkpoint, which meets their synchronization too
+            model.end_step()
         if self._checkpointer is not None:
             self._checkpointer.step_ended()
 
@@ -510,6 +553,8 @@ class DistributedDataParallel(TorchDDP):
         if self._writer is not None:
             self._writer.write_epoch(report)
         self._epoch = {}
+        for model in self._following():
+            model.end_epoch()
         return report
 
     def synchronize(self) -> None:
@@ -518,6 +563,12 @@ class DistributedDataParallel(TorchDDP):
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
         if self._replicas_apart:
             self._gather_and_plan(meet=True)
+        for model in self._following():
+            model.synchronize()
+
+    def _following(self) -> list[DistributedDataParallel]:
+        """The open models that follow this one's steps (``follow=``)."""
+        return [model for ref in self._followers if (model := ref()) is not None and model._group is not None]
 
     @property
     def _replicas_apart(self) -> bool:

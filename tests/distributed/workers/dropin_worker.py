@@ -44,6 +44,12 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
+def make_tower(seed: int = 0) -> nn.Module:
+    """A second model that feeds ``make_model``'s, as one tower of several (or a GAN's generator) does."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh())
+
+
 def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.3)
@@ -145,6 +151,27 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
                               "compute_s": [f.compute_s for f in model.step_figures]}
         if rank == 0:
             torch.save(model.module.state_dict(), out / "accumulate_adaptive.pt")
+        model.close()
+    elif scenario == "follow":
+        # Two models on the same batches, the first feeding the second, which owns the loader: the first follows its
+        # steps. Unequal static shares and a last step where two ranks join with a stand-in; weighed as plain DDP,
+        # the follower's gradient would be the mean of the ranks' means, not the mean over the step's samples.
+        tower, head = make_tower(7 + rank), make_model(7 + rank)
+        model = hetdp.DDP(head, hetdp.Static((1.0, 2.0, 3.0, 2.0)))
+        follower = hetdp.DDP(tower, follow=model)
+        loader = model.allocate(loader_for(Pairs(50), batch_size=4, workers=1))
+        optimizer = torch.optim.SGD([*follower.parameters(), *model.parameters()], lr=0.3)
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            for batch in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(follower(batch["x"])), batch["y"]).backward()
+                optimizer.step()
+        result = {"blocks": [f.shares for f in model.step_figures], "follower_steps": follower.steps_done,
+                  "follower_epochs": len(follower.epoch_reports)}
+        if rank == 0:
+            torch.save(nn.Sequential(tower, head).state_dict(), out / "follow.pt")
+        follower.close()
         model.close()
     elif scenario == "policies":
         # The issue's crash: 2,050 samples, 4 ranks, 32 per rank: the last step holds 2 samples.
