@@ -31,7 +31,7 @@ class StepClock:
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
         )
         self.started_at = self.ready_at = self.synced_at = 0.0
-        self.waited_s = 0.0
+        self._waited_s = 0.0
         """Waits that ended the started step's earlier backwards."""
         self._backward_ended = False
         """The last bucket of a backward is ready: a bucket after it belongs to another backward of the step."""
@@ -43,7 +43,7 @@ class StepClock:
     def start(self, step: int, samples: float) -> None:
         """The step's first forward begins (``samples``: its work, in samples or cost units)."""
         self.started_at = self.ready_at = self.synced_at = time.perf_counter()
-        self.waited_s = 0.0
+        self._waited_s = 0.0
         self._backward_ended = False
         self._paced = (step, samples)
         self.forwards = 0
@@ -54,7 +54,7 @@ class StepClock:
     def mark_ready(self, last_bucket: bool) -> None:
         """A gradient bucket is ready; after the last one, pad the compute to the emulated device's."""
         if self._backward_ended:  # another backward of the step: the previous one ended waiting for its exchange
-            self.waited_s += self._exchange_wait_s()
+            self._waited_s += self._exchange_wait_s()
             self._backward_ended = False
         if last_bucket and self._paced is not None:
             step, samples = self._paced
@@ -77,12 +77,12 @@ class StepClock:
             elapsed_s = self.events[0].elapsed_time(self.events[1]) / 1000.0
         else:
             elapsed_s = self.ready_at - self.started_at
-        return max(elapsed_s - self.waited_s, 0.0)
+        return max(elapsed_s - self._waited_s, 0.0)
 
     def wait_s(self) -> float:
         """Seconds from each backward's last bucket ready to its gradients combined, summed over the step's
         backwards: waiting for others plus the exchange."""
-        return self.waited_s + self._exchange_wait_s()
+        return self._waited_s + self._exchange_wait_s()
 
     def _exchange_wait_s(self) -> float:
         """The latest backward's wait: from its last bucket ready to its gradients combined."""
