@@ -259,9 +259,9 @@ class DistributedDataParallel(TorchDDP):
         self._own_group = own_group
         self._group: dist.ProcessGroup | None = group
         device = next(module.parameters()).device
-        # A follower's steps run inside its leader's, which the emulation already paces.
-        self.emulation = Emulation() if follow is not None else emulation if emulation is not None else (
-            Emulation.from_env())
+        if follow is not None:
+            emulation = Emulation()  # its steps run inside its leader's, which the emulation already paces
+        self.emulation = emulation if emulation is not None else Emulation.from_env()
         self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
         self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s)
         self._hook = _HookState(self.clock, self.synchronizer, self.world_size)
@@ -399,7 +399,7 @@ class DistributedDataParallel(TorchDDP):
         self._epoch = {"epoch": epoch, "first": self.steps_done - start_step, "started": time.perf_counter(),
                        "compute_s": 0.0, "wait_s": 0.0, "samples": 0, "steps": 0, "loss": None, "loss_samples": 0,
                        "replans": []}
-        for model in self._following():
+        for model in self._open_followers():
             model.begin_epoch(epoch, start_step)
 
     def begin_step(self, samples: int, total: int) -> None:
@@ -429,7 +429,7 @@ class DistributedDataParallel(TorchDDP):
         self._open = _OpenStep(ticket, total, weight)
         self._hook.samples, self._hook.total = weight
         self._hook.meets = self._meets_after(ticket)
-        for model in self._following():
+        for model in self._open_followers():
             model.begin_ticket(ticket, total)
 
     def _meets_after(self, ticket: StepTicket) -> bool:
@@ -520,7 +520,7 @@ class DistributedDataParallel(TorchDDP):
                 self._gather_and_plan(meet=True)
             elif self._planning_gather_due():
                 self._start_planning()
-        for model in self._following():  # before a checkpoint, which meets their synchronization too
+        for model in self._open_followers():  # before a checkpoint, which meets their synchronization too
             model.end_step()
         if self._checkpointer is not None:
             self._checkpointer.step_ended()
@@ -553,7 +553,7 @@ class DistributedDataParallel(TorchDDP):
         if self._writer is not None:
             self._writer.write_epoch(report)
         self._epoch = {}
-        for model in self._following():
+        for model in self._open_followers():
             model.end_epoch()
         return report
 
@@ -563,10 +563,10 @@ class DistributedDataParallel(TorchDDP):
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
         if self._replicas_apart:
             self._gather_and_plan(meet=True)
-        for model in self._following():
+        for model in self._open_followers():
             model.synchronize()
 
-    def _following(self) -> list[DistributedDataParallel]:
+    def _open_followers(self) -> list[DistributedDataParallel]:
         """The open models that follow this one's steps (``follow=``)."""
         return [model for ref in self._followers if (model := ref()) is not None and model._group is not None]
 

@@ -192,9 +192,9 @@ def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tup
     """The shuffle and seed the user's loader asked for, read off its sampler (or given). A loader that batches
     with a ``batch_sampler`` of its own ignores ``loader.sampler``: its order is the batch sampler's."""
     sampler = loader.sampler
-    if loader.batch_size is None:
-        batch_sampler = loader.batch_sampler
-        sampler = batch_sampler.sampler if type(batch_sampler) is BatchSampler else batch_sampler
+    own = _own_batch_sampler(loader)
+    if own is not None:
+        sampler = own.sampler if type(own) is BatchSampler else own
     if isinstance(sampler, DistributedSampler):
         found = (sampler.shuffle, sampler.seed)
     elif isinstance(sampler, RandomSampler):
@@ -213,9 +213,14 @@ def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tup
 
 def _drops_last(loader: DataLoader) -> bool:
     """Whether the user's loader drops a partial last batch (a ``BatchSampler`` of its own says so itself)."""
-    batch_sampler = loader.batch_sampler
-    own = loader.batch_size is None and type(batch_sampler) is BatchSampler
-    return batch_sampler.drop_last if own else loader.drop_last
+    own = _own_batch_sampler(loader)
+    return own.drop_last if type(own) is BatchSampler else loader.drop_last
+
+
+def _own_batch_sampler(loader: DataLoader) -> Any | None:
+    """The ``batch_sampler`` the user's loader batches with, if given (its ``sampler`` and ``drop_last`` are then
+    unused)."""
+    return loader.batch_sampler if loader.batch_size is None else None
 
 
 _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",

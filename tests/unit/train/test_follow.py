@@ -47,9 +47,9 @@ def test_a_follower_has_no_loader_of_its_own_and_leaves_the_emulation_to_its_lea
 
 def test_a_closed_follower_no_longer_follows(leader):
     follower = hetdp.DDP(nn.Linear(2, 2), follow=leader)
-    assert leader._following() == [follower]
+    assert leader._open_followers() == [follower]
     follower.close()
-    assert leader._following() == []
+    assert leader._open_followers() == []
 
 
 @pytest.mark.parametrize(("leads", "follows"), [("majority", "allreduce"), ("allreduce", "quorum:2"),
@@ -69,6 +69,6 @@ def test_a_follower_refuses_partial_rounds_that_wait_beside_its_leader(one_rank,
 def test_a_follower_runs_beside_rounds_that_wait_for_no_one(one_rank, leads, follows):
     leader = hetdp.DDP(nn.Linear(2, 2), "equal", leads)
     follower = hetdp.DDP(nn.Linear(2, 2), sync=follows, follow=leader)
-    assert leader._following() == [follower]
+    assert leader._open_followers() == [follower]
     follower.close()
     leader.close()
