@@ -279,16 +279,18 @@ class Failure:
     """Whether a restart may get past it (not a ConfigError)."""
 
 
-def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = False, first: bool = False) -> bool:
-    """Leave this rank's failure in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it.
-    ``names_rank``: the message already says which rank failed (else the launcher adds the ranks that reported it);
-    ``first``: this rank told its traceback, and the launcher's line names it whatever the reports' order."""
+def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = False, first: bool = False,
+            consequence: bool = False, rank: int | None = None) -> bool:
+    """Leave ``rank``'s (default: this rank's) failure in ``$HETDP_ERRORS`` for the launcher; False if no launcher
+    asked for it. ``names_rank``: the message already says which rank failed (else the launcher adds the ranks that
+    reported it); ``first``: this rank told its traceback, and the launcher's line names it whatever the reports'
+    order; ``consequence``: a peer's failure caused it, and any other report tells the story better."""
     folder = os.environ.get(ENV_ERRORS)
     if not folder:
         return False
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     report = {"rank": rank, "message": message, "time": time.time(), "retry": retry, "exit_code": exit_code,
-              "names_rank": names_rank, "first": first}
+              "names_rank": names_rank, "first": first, "consequence": consequence}
     temporary = Path(folder) / f".rank-{rank}.tmp"
     temporary.write_text(json.dumps(report), encoding="utf-8")
     temporary.replace(Path(folder) / f"rank-{rank}.json")  # whole or absent, never half-written
@@ -303,7 +305,7 @@ def report_error(error: HetDPError) -> bool:
 
 def _reported(folder: Path) -> list[dict[str, Any]]:
     reports = (json.loads(path.read_text()) for path in folder.glob("rank-*.json"))
-    return sorted(reports, key=lambda report: (not report["first"], report["time"]))
+    return sorted(reports, key=lambda report: (report["consequence"], not report["first"], report["time"]))
 
 
 def first_failure(folder: Path) -> Failure | None:
@@ -319,16 +321,23 @@ def first_failure(folder: Path) -> Failure | None:
                    retry=all(report["retry"] for report in reports))
 
 
-_OTHERS_STOPPED = "; the other ranks were stopped" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+def _others_stopped() -> str:
+    """What a worker's failure did to the rest of the launch, as its report's message ends."""
+    return "; the other ranks were stopped" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
 
 def _fail(error: BaseException, exit_code: int) -> None:
     """Report a worker's exception and exit with ``exit_code``. Its traceback (from the script's own frames) is
-    printed by the first rank that fails only: a rank stopped by a peer's failure adds nothing to the story."""
+    printed by the first rank that fails only, and never for a collective that a failed peer broke off: a rank
+    stopped by a peer's failure adds nothing to the story."""
+    from hetdp.runtime import is_peer_failure
+
     text = str(error).splitlines()[0] if str(error) else ""
-    first = _first_to_fail()
+    consequence = is_peer_failure(error)  # a collective of the script's own that a failed peer broke off
+    first = not consequence and _first_to_fail()
     _report(f"rank {os.environ.get('RANK', '0')} failed with {type(error).__name__}{': ' if text else ''}{text}"
-            f"{_OTHERS_STOPPED}", exit_code=exit_code, retry=True, names_rank=True, first=first)
+            f"{_others_stopped()}", exit_code=exit_code, retry=True, names_rank=True, first=first,
+            consequence=consequence)
     if first:
         trace = error.__traceback__
         while trace is not None and trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
@@ -364,7 +373,7 @@ def _worker(argv: list[str]) -> None:
         sys.exit(2)
     except SystemExit as error:
         if error.code not in (0, None):
-            _report(f"rank {os.environ.get('RANK', '0')} exited with {error.code!r}{_OTHERS_STOPPED}",
+            _report(f"rank {os.environ.get('RANK', '0')} exited with {error.code!r}{_others_stopped()}",
                     exit_code=error.code if isinstance(error.code, int) else 1, retry=True, names_rank=True)
         else:
             _warn_if_settings_unused()
@@ -399,7 +408,8 @@ def _warn_if_settings_unused() -> None:
 
 def _torchrun(argv: list[str]) -> None:
     """torchrun, minus its logs and failure summary when a worker fails: the worker's report says it in one line,
-    and a worker that died without one (killed, crashed) gets one line here."""
+    and a worker that died without one (killed, crashed) gets a report here, from torchrun's first observed
+    failure."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -409,13 +419,18 @@ def _torchrun(argv: list[str]) -> None:
     try:
         main(argv)
     except ChildFailedError as error:
-        reported = _reported(Path(os.environ[ENV_ERRORS]))
-        if reported:
-            sys.exit(reported[0]["exit_code"])
+        folder = Path(os.environ[ENV_ERRORS])
+        reported = _reported(folder)
         rank, failure = error.get_first_failure()
-        died = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"hetdp: rank {rank} died ({died}){_OTHERS_STOPPED}", file=sys.stderr, flush=True)
-        sys.exit(128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode)
+        if not reported or (reported[0]["consequence"] and failure.exitcode < 0):
+            # died without a word (killed, crashed): torchrun's first observed failure tells it
+            died = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            stopped = "; the other ranks were stopped" if len(error.failures) > 1 else ""
+            exit_code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+            _report(f"rank {rank} died ({died}){stopped}", exit_code=exit_code, retry=True, names_rank=True,
+                    rank=rank)
+            reported = _reported(folder)
+        sys.exit(reported[0]["exit_code"])
 
 
 if __name__ == "__main__":

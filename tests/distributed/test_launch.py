@@ -129,6 +129,15 @@ def test_a_rank_that_exits_with_a_code_ends_the_launch_with_it_in_one_line(scrip
     assert completed.stderr.splitlines()[-1] == "hetdp run: error: rank 1 exited with 3; the other ranks were stopped"
 
 
+def test_a_rank_killed_by_a_signal_is_one_line_naming_it(script):
+    path = script(FAILING_RANK_SCRIPT.replace("{failure}", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    completed = hetdp_run("-n", 2, path)
+    assert completed.returncode == 128 + 9
+    assert "Traceback" not in completed.stderr + completed.stdout and "elastic" not in completed.stderr
+    assert completed.stderr.splitlines()[-1] == (
+        "hetdp run: error: rank 1 died (signal SIGKILL); the other ranks were stopped")
+
+
 def test_a_bug_in_a_worker_is_raised_once_with_its_rank_and_traceback(script):
     path = script("raise RuntimeError('a bug')\n")
     with pytest.raises(WorkerError, match=r"^rank [01] failed with RuntimeError: a bug; the other ranks were stopped$"
