@@ -37,7 +37,7 @@ def diagnose_straggler(compute_s: Sequence[float], wait_s: Sequence[float]) -> s
     slowest = [rank for rank, seconds in enumerate(compute_s) if seconds >= (1.0 - TIE) * slowest_s]
     extra_s = slowest_s - statistics.median(compute_s)
     comm_s = min(wait_s)
-    share = comm_s / step_s if step_s > 0 else 0.0
+    share = round(comm_s / step_s, 2) if step_s > 0 else 0.0  # judged as shown: "20%" is communication-bound
     if extra_s > comm_s and extra_s >= SPREAD * step_s:
         who = f"rank {slowest[0]} is" if len(slowest) == 1 else f"ranks {', '.join(map(str, slowest))} are"
         return (
