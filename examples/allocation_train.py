@@ -14,8 +14,7 @@ import torch
 
 import hetdp
 from hetdp.datasets import load_digits
-from hetdp.models import ConvNet
-from hetdp.train.allocation import accuracy
+from hetdp.models import ConvNet, accuracy
 
 
 def main() -> None:

@@ -6,13 +6,15 @@ an allocation (who computes how much: equal, static, adaptive, planned) and a
 synchronization (how contributions combine: allreduce, partial, local).
 """
 
+import importlib
+import warnings
+
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.minmax import min_max_shares
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.planner import DevicePlan, Plan, plan
 from hetdp.allocate.policy import Adaptive, Equal, Planned, Static
-from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
@@ -65,7 +67,6 @@ __all__ = [
     "Static",
     "StepFigures",
     "Timeouts",
-    "WeightedDistributedSampler",
     "apportion",
     "init_distributed",
     "min_max_shares",
@@ -73,3 +74,18 @@ __all__ = [
     "probe_cluster",
     "train_cadp",
 ]
+
+_DEPRECATED = {
+    "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
+                                   "by the shares"),
+}
+"""Names that left the public API, with their module and their replacement: they keep working for a release."""
+
+
+def __getattr__(name: str) -> object:
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
+    module, replacement = _DEPRECATED[name]
+    warnings.warn(f"hetdp.{name} is deprecated and goes in the next release; use {replacement}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -183,9 +183,8 @@ def _worker(folder: Path) -> None:
     import torch.distributed as dist
 
     from hetdp.datasets import load_digits
-    from hetdp.models import ConvNet
+    from hetdp.models import ConvNet, accuracy
     from hetdp.runtime import init_distributed
-    from hetdp.train.allocation import accuracy
     from hetdp.train.cadp import CadpConfig, train_cadp
 
     rank, _ = init_distributed()

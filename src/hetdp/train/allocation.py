@@ -33,7 +33,7 @@ from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
 from hetdp.train.ddp import DistributedDataParallel
 from hetdp.train.metrics import EpochReport, diagnose_straggler
 
-__all__ = ["AllocatedTrainer", "AllocationConfig", "EpochReport", "accuracy", "diagnose_straggler"]
+__all__ = ["AllocatedTrainer", "AllocationConfig", "EpochReport", "diagnose_straggler"]
 
 log = logging.getLogger(__name__)
 
@@ -339,16 +339,3 @@ def _comparable(value: Any) -> Any:
     """Tuples and lists compare alike (a checkpoint's config went through pickling as saved)."""
     return list(value) if isinstance(value, tuple) else value
 
-
-@torch.no_grad()
-def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024) -> float:
-    """Fraction of ``dataset`` that ``model`` classifies correctly (evaluated locally, no collective)."""
-    model.eval()
-    device = next(model.parameters()).device
-    inputs, targets = dataset.tensors
-    correct = 0
-    for start in range(0, len(inputs), batch_size):
-        logits = model(inputs[start : start + batch_size].to(device))
-        correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
-    model.train()
-    return correct / max(len(inputs), 1)

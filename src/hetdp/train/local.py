@@ -35,21 +35,6 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum_i weights[i] * tensors[i], computed in float64: the value the distributed merge must give.
-
-    Raises:
-        ConfigError: the counts differ, or the shapes do.
-    """
-    if len(tensors) != len(weights) or not tensors:
-        raise ConfigError(f"need one weight per tensor, got {len(weights)} weights for {len(tensors)} tensors")
-    shapes = {tuple(t.shape) for t in tensors}
-    if len(shapes) > 1:
-        raise ConfigError(f"tensors to average must share one shape, got {sorted(shapes)}")
-    total = sum(float(w) * t.detach().double() for w, t in zip(weights, tensors))
-    return total.to(tensors[0].dtype)
-
-
 def epoch_order(size: int, *, seed: int, epoch: int, rank: int) -> torch.Tensor:
     """The order in which ``rank`` visits its ``size`` local samples in ``epoch``: a permutation seeded by all three."""
     state = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])

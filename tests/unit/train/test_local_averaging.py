@@ -1,4 +1,4 @@
-"""The pure parts of local training: merge weights, the weighted average, the emulation's deadline clock."""
+"""The pure parts of local training: merge weights, the data order, the emulation's deadline clock."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import merge_weights
 from hetdp.train import local
-from hetdp.train.local import Pace, epoch_order, weighted_average
+from hetdp.train.local import Pace, epoch_order
 
 
 def test_merge_weights_are_each_devices_share_of_the_data():
@@ -29,30 +29,6 @@ def test_merge_weights_sum_to_one_and_follow_the_counts(counts):
 def test_merge_weights_reject_empty_or_negative_counts(counts):
     with pytest.raises(ConfigError, match="sample counts"):
         merge_weights(counts)
-
-
-def test_weighted_average_equals_the_hand_computed_value():
-    tensors = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -4.0]), torch.tensor([10.0, 0.5])]
-    # 0.5 * [1, 2] + 0.3 * [3, -4] + 0.2 * [10, 0.5] = [0.5 + 0.9 + 2.0, 1.0 - 1.2 + 0.1]
-    expected = torch.tensor([3.4, -0.1])
-    torch.testing.assert_close(weighted_average(tensors, [0.5, 0.3, 0.2]), expected)
-
-
-def test_weighted_average_with_a_zero_weight_ignores_that_tensor():
-    tensors = [torch.full((2, 2), 7.0), torch.full((2, 2), 1e6)]
-    torch.testing.assert_close(weighted_average(tensors, [1.0, 0.0]), torch.full((2, 2), 7.0))
-
-
-@pytest.mark.parametrize(
-    ("tensors", "weights", "message"),
-    [
-        ([torch.zeros(2), torch.zeros(3)], [0.5, 0.5], "one shape"),
-        ([torch.zeros(2)], [0.5, 0.5], "one weight per tensor"),
-    ],
-)
-def test_weighted_average_rejects_mismatched_inputs(tensors, weights, message):
-    with pytest.raises(ConfigError, match=message):
-        weighted_average(tensors, weights)
 
 
 def test_epoch_order_is_a_permutation_that_differs_by_epoch_and_rank():
