@@ -26,7 +26,6 @@ from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
 from hetdp.train.ddp import DDP, DistributedDataParallel
-from hetdp.train.eager import EagerSGD
 from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.train.stepcheckpoint import Checkpointer
 
@@ -48,7 +47,6 @@ __all__ = [
     "DevicePlan",
     "DeviceSpec",
     "DistributedDataParallel",
-    "EagerSGD",
     "Emulation",
     "EpochReport",
     "Equal",
@@ -76,6 +74,8 @@ __all__ = [
 ]
 
 _DEPRECATED = {
+    "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
+                 "in your own loop: its optimizer.step() runs once per round"),
     "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
                                    "by the shares"),
 }
