@@ -24,8 +24,8 @@ from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutEr
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
 from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
-from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
 from hetdp.train.ddp import DDP, DistributedDataParallel
+from hetdp.train.distribute import distribute
 from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.train.stepcheckpoint import Checkpointer
 
@@ -35,8 +35,6 @@ __all__ = [
     "AllocatedTrainer",
     "AllocationConfig",
     "Allreduce",
-    "CadpConfig",
-    "CadpResult",
     "CheckpointError",
     "Checkpointer",
     "ClusterSpec",
@@ -66,18 +64,24 @@ __all__ = [
     "StepFigures",
     "Timeouts",
     "apportion",
+    "distribute",
     "init_distributed",
     "min_max_shares",
     "plan",
     "probe_cluster",
-    "train_cadp",
 ]
 
+_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples) and hetdp.DDP(model, "
+         '"equal", "local") over each rank\'s own batches (examples/cadp_train.py)')
+
 _DEPRECATED = {
+    "CadpConfig": ("hetdp.train.cadp", _CADP),
+    "CadpResult": ("hetdp.train.cadp", _CADP),
     "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
                  "in your own loop: its optimizer.step() runs once per round"),
     "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
                                    "by the shares"),
+    "train_cadp": ("hetdp.train.cadp", _CADP),
 }
 """Names that left the public API, with their module and their replacement: they keep working for a release."""
 

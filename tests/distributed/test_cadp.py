@@ -12,7 +12,7 @@ from torch import nn
 
 from hetdp.sync.averaging import merge_weights
 from hetdp.train.distribute import partition
-from hetdp.train.local import epoch_order
+from hetdp.train.cadp import epoch_order
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402

@@ -18,6 +18,6 @@ def test_eager_example_trains_through_the_drop_in_and_steps_once_per_round():
     found = re.match(r"majority: (\d+) steps per rank; (\d+) optimizer steps on rank 0, one per round", lines[-1])
     assert found, lines[-1]
     steps, optimizer_steps = map(int, found.groups())
-    assert steps == 23  # the digits' 1,437 training images in steps of 2 x 32
+    assert steps == 23  # the digits' 1,438 training images in steps of 2 x 32
     assert optimizer_steps >= steps  # every step applies the round it joined, and any it missed
     assert "more rounds than steps" in lines[-1]
