@@ -48,6 +48,10 @@ INDEX_BYTES = 8
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+REBUILD_STEPS = 2
+"""Steps every rank computes, with a stand-in if it has no batch: torch's DDP rebuilds its gradient buckets in a
+collective at a rank's second forward."""
+
 
 def epoch_order(size: int, *, seed: int, epoch: int, rank: int) -> torch.Tensor:
     """The order in which ``rank`` visits its ``size`` local samples in ``epoch``: a permutation seeded by all three."""
@@ -254,17 +258,22 @@ def _train_epoch(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
     stand_in = (inputs[:1], targets[:1]) if len(inputs) else (
         inputs.new_zeros((1, *inputs.shape[1:])), targets.new_zeros((1, *targets.shape[1:])))
     steps = max(-(-n // b) for n, b in zip(counts, batch_sizes))
+    synchronous = ddp.synchronizer.meets_every_step
     for step in range(steps):
         index = order[step * size : (step + 1) * size]
         ddp.begin_step(len(index), sum(min(b, max(0, n - step * b)) for n, b in zip(counts, batch_sizes)))
-        optimizer.zero_grad()
-        batch = (inputs[index], targets[index]) if len(index) else stand_in
-        loss = loss_fn(ddp(batch[0]), batch[1])
-        loss.backward()
-        ddp.record_loss(loss)
-        # Under local training a stand-in's gradient is zero: stepping on it would still move a momentum optimizer.
-        if len(index) or ddp.synchronizer.meets_every_step:
-            optimizer.step()
+        # Under local training a rank out of batches has nothing to compute: its step only counts the others' samples
+        # towards the merge's D. It joins a rank's first two steps with a stand-in all the same: torch's DDP rebuilds
+        # its gradient buckets at a rank's second forward, in a collective.
+        if len(index) or synchronous or ddp.steps_done < REBUILD_STEPS:
+            optimizer.zero_grad()
+            batch = (inputs[index], targets[index]) if len(index) else stand_in
+            loss = loss_fn(ddp(batch[0]), batch[1])
+            loss.backward()
+            ddp.record_loss(loss)
+            # A stand-in's local gradient is zero, and stepping on it would still move a momentum optimizer.
+            if len(index) or synchronous:
+                optimizer.step()
         ddp.end_step()
         sleep(step_trip_s)
 
