@@ -23,7 +23,6 @@ from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialRe
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 from hetdp.train.ddp import DDP, DistributedDataParallel
 from hetdp.train.distribute import distribute
 from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
@@ -32,8 +31,6 @@ from hetdp.train.stepcheckpoint import Checkpointer
 __all__ = [
     "Adaptive",
     "AdaptiveAllocator",
-    "AllocatedTrainer",
-    "AllocationConfig",
     "Allreduce",
     "CheckpointError",
     "Checkpointer",
@@ -74,7 +71,12 @@ __all__ = [
 _CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples) and hetdp.DDP(model, "
          '"equal", "local") over each rank\'s own batches (examples/cadp_train.py)')
 
+_ALLOCATED = ('hetdp.DDP(model, allocation, "allreduce"), model.allocate(loader, accumulates=True) and '
+              "model.checkpointer(folder, optimizer) in your own loop (examples/allocation_train.py)")
+
 _DEPRECATED = {
+    "AllocatedTrainer": ("hetdp.train.allocation", _ALLOCATED),
+    "AllocationConfig": ("hetdp.train.allocation", _ALLOCATED),
     "CadpConfig": ("hetdp.train.cadp", _CADP),
     "CadpResult": ("hetdp.train.cadp", _CADP),
     "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '

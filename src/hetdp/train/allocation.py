@@ -1,5 +1,13 @@
 """Synchronous data-parallel training where ranks compute unequal shares of every step, in a loop hetdp owns.
 
+Deprecated: ``hetdp.AllocatedTrainer`` and ``hetdp.AllocationConfig`` warn and go in
+the next release. The same training is the drop-in in the user's own loop:
+``hetdp.DDP(model, allocation)``, ``model.allocate(loader, accumulates=True)``
+with the share run as micro-batches under ``no_sync``, and
+``model.checkpointer(folder, optimizer)`` (examples/allocation_train.py). This
+module keeps the trainer working until then (``hetdp bench allocation`` and
+``hetdp bench devices`` still run it).
+
 Task-allocation paper: rank i computes ``shares[i]`` samples per step (as several
 accumulated micro-batches, or one batch), then one allreduce combines them. The
 shares are equal, static or re-planned from measured compute times.
