@@ -220,8 +220,7 @@ def train_cadp(
 
     batch_sizes = [1] * offset + [d.batch_size for d in plan.devices]
     # The steps are cut here, from each rank's own data, so the model's allocation is never consulted (there is no
-    # allocate); every rank runs as many steps as the rank with the most batches, and a rank out of batches joins
-    # a step with the drop-in's stand-in, weighted 0.
+    # allocate); every rank runs as many steps as the rank with the most batches (see _train_epoch).
     ddp = DistributedDataParallel(model, "equal", "local" if config.sync == "epoch" else "allreduce",
                                   step_timeout_s=merge_timeout_s, emulation=_emulation(devices, config.emulate),
                                   process_group=group)
@@ -249,7 +248,9 @@ def train_cadp(
 def _train_epoch(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, data: TensorDataset,
                  counts: list[int], batch_sizes: list[int], epoch: int, seed: int, loss_fn: LossFn,
                  step_trip_s: float) -> None:
-    """One epoch of this rank's batches of its own data, in a seeded order, as the drop-in's steps."""
+    """One epoch of this rank's batches of its own data, in a seeded order, as the drop-in's steps: every rank runs
+    as many as the rank with the most batches, and under per-step allreduce a rank out of batches joins a step with
+    the drop-in's stand-in, weighted 0."""
     inputs, targets = data.tensors
     rank = ddp.rank
     size = batch_sizes[rank]
