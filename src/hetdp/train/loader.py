@@ -15,7 +15,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.data import (
@@ -33,7 +33,7 @@ from hetdp.errors import ConfigError
 from hetdp.train.stepcheckpoint import set_random_state
 
 if TYPE_CHECKING:
-    from hetdp.train.ddp import DistributedDataParallel
+    from hetdp.train.metrics import EpochReport
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,28 @@ _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "wo
 """The DataLoader settings a re-cut loader keeps (those of the running torch that the loader has)."""
 
 
+class StepDriver(Protocol):
+    """What an allocated loader needs of the model whose steps it cuts and drives (``hetdp.DDP``)."""
+
+    rank: int
+    world_size: int
+    steps_done: int
+    resume_random_state: dict[str, Any] | None
+    """A resumed run's random state, restored as the loop starts (once)."""
+
+    @property
+    def epochs_done(self) -> int: ...
+    @property
+    def last_epoch(self) -> EpochReport | None: ...
+    def shares_at(self, step: int) -> list[int]: ...
+    def begin_epoch(self, epoch: int, start_step: int = 0) -> None: ...
+    def begin_ticket(self, ticket: StepTicket, total: int | None = None) -> None: ...
+    def end_step(self) -> None: ...
+    def end_epoch(self) -> Any: ...
+    def _rank0s(self, value: Any, what: str) -> Any: ...
+    def _first_warning(self, key: str) -> bool: ...
+
+
 class AllocatedLoader:
     """The user's DataLoader, batching each step by the ranks' shares; iterate it as the original.
 
@@ -317,7 +339,7 @@ class AllocatedLoader:
         with ``DistributedSampler``): each step is collective.
     """
 
-    def __init__(self, model: DistributedDataParallel, loader: DataLoader, *, global_batch: int,
+    def __init__(self, model: StepDriver, loader: DataLoader, *, global_batch: int,
                  shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):

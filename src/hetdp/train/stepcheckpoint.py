@@ -15,19 +15,22 @@ import random
 import re
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hetdp.errors import CheckpointError, ConfigError
 from hetdp.runtime import peer_failures
 from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from hetdp.train.ddp import DistributedDataParallel
+    from hetdp.train.planning import Planner
+    from hetdp.train.tally import Epochs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,48 @@ def set_random_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass(frozen=True)
+class ResumeState:
+    """What a resumed run needs beside the module and optimizer: the allocation and the position in the data."""
+
+    allocator: dict[str, Any] | None
+    """The allocator's state (its shares and what it measured), if the model allocates."""
+    steps_done: int
+    world_size: int
+    """The ranks that saved it: on another count, the allocation starts afresh."""
+    position: tuple[int, int] | None
+    """(epoch, steps of it done): where the data order continues (None in a state that did not say)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"allocator": self.allocator, "steps_done": self.steps_done, "world_size": self.world_size,
+                "position": self.position}
+
+    @classmethod
+    def of(cls, state: dict[str, Any], world_size: int) -> ResumeState:
+        """Read ``to_dict()``'s dict (``world_size``: this run's, where the state does not say)."""
+        position = state.get("position")
+        return cls(allocator=state.get("allocator"), steps_done=int(state["steps_done"]),
+                   world_size=int(state.get("world_size", world_size)),
+                   position=None if position is None else (int(position[0]), int(position[1])))
+
+
+class Checkpointed(Protocol):
+    """What a checkpointer needs of the model it saves (``hetdp.DDP``)."""
+
+    rank: int
+    world_size: int
+    step_timeout_s: float
+    process_group: dist.ProcessGroup
+    module: nn.Module
+    steps_done: int
+    resume_position: tuple[int, int]
+    resume_random_state: dict[str, Any] | None
+
+    def synchronize(self) -> None: ...
+    def hetdp_state_dict(self) -> dict[str, Any]: ...
+    def load_hetdp_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Checkpointer:
     """Saves the training state every ``every`` steps and resumes from the newest checkpoint.
 
@@ -78,7 +123,7 @@ class Checkpointer:
     work are lost to a failure.
     """
 
-    def __init__(self, model: DistributedDataParallel, folder: str | Path, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: Checkpointed, folder: str | Path, optimizer: torch.optim.Optimizer, *,
                  scheduler: Any = None, scaler: Any = None, every: int = 100) -> None:
         if every < 1:
             raise ConfigError(f"a checkpoint every {every} steps: give every >= 1")
@@ -99,9 +144,14 @@ class Checkpointer:
         """Whether the step that makes the count ``steps_done`` ends in a save (a multiple of ``every``)."""
         return steps_done % self.every == 0
 
-    def step_ended(self) -> None:
-        """The model's step hook: save when the step count reaches a multiple of ``every``."""
-        if self.saves_after(self.model.steps_done):
+    def meets_after(self, steps_done: int) -> bool:
+        """A step-end listener's question: whether the step that makes the count ``steps_done`` needs the ranks'
+        replicas to be one (it saves)."""
+        return self.saves_after(steps_done)
+
+    def step_ended(self, steps_done: int) -> None:
+        """A step-end listener: save when the step count reaches a multiple of ``every``."""
+        if self.saves_after(steps_done):
             self.save()
 
     def save(self) -> Path | None:
@@ -161,3 +211,51 @@ class Checkpointer:
         log.info("rank %d: resumed at step %d (epoch %d, step %d of it)", self.model.rank, self.model.steps_done,
                  *self.model.resume_position)
         return True
+
+
+class CheckpointState:
+    """``hetdp.DDP``'s checkpoint side (a mixin: the model sets the attributes declared here): its step
+    checkpointer, and the state a resumed run needs beside the module and optimizer."""
+
+    world_size: int
+    resume_position: tuple[int, int]
+    _planner: Planner
+    _epochs: Epochs
+    _listeners: list[Any]
+    """Told at every step's end (``StepListener``): a checkpointer is one."""
+
+    def checkpointer(self, folder: str | Path, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                     scaler: Any = None, every: int = 100) -> Checkpointer:
+        """Save the training state to ``folder`` every ``every`` steps; ``resume()`` it before the loop.
+
+        Call after ``allocate``: the checkpoint holds the position in the epoch's order, and a resumed
+        run continues the epoch at the saved step, also on another number of ranks.
+        """
+        checkpointer = Checkpointer(self, folder, optimizer, scheduler=scheduler, scaler=scaler,  # type: ignore[arg-type]
+                                    every=every)
+        self._listeners = [*(old for old in self._listeners if not isinstance(old, Checkpointer)), checkpointer]
+        return checkpointer
+
+    def hetdp_state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs beside the module and optimizer (``ResumeState``): the allocation and the
+        position in the data."""
+        self._planner.settle()
+        steps_done, allocator = self._planner.steps_done, self._planner.allocator
+        return ResumeState(allocator=None if allocator is None else allocator.state_dict(),
+                           steps_done=steps_done, world_size=self.world_size,
+                           position=self._epochs.position(steps_done)).to_dict()
+
+    def load_hetdp_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch.
+
+        Saved by another number of ranks, the allocation starts afresh for this one (adaptive allocation
+        re-learns the shares) and the epoch continues at the saved step: the steps keep their samples,
+        only the split among ranks changes.
+        """
+        saved = ResumeState.of(state, self.world_size)
+        self._planner.restore(saved.steps_done, saved.allocator, saved.world_size)
+        self.resume_position = saved.position if saved.position is not None else (0, 0)
+        self._epochs.next = self.resume_position[0]
+        loader = self._planner.loader() if self._planner.loader is not None else None
+        if loader is not None and saved.position is not None:
+            loader.sampler.resume_at(*saved.position)

@@ -1,0 +1,123 @@
+"""The drop-in's allocation: ``model.allocate(loader)``, the shares by step, and the allocator that plans them.
+
+``hetdp.DDP`` takes these methods from ``Allocating``; the planner (``planning``)
+keeps the schedule of shares, and ``caps`` bounds them by the ranks' memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from hetdp.allocate.pack import CostBalance
+from hetdp.allocate.policy import AllocationPolicy, Allocator
+from hetdp.cluster.emulate import Emulation
+from hetdp.errors import ConfigError
+from hetdp.runtime import peer_failures
+from hetdp.train.caps import check_fits, memory_caps
+from hetdp.train.loader import AllocatedLoader, per_rank_batch
+from hetdp.train.planning import Planner
+
+
+class Allocating:
+    """``hetdp.DDP``'s allocation (a mixin: the model sets the attributes declared here)."""
+
+    rank: int
+    world_size: int
+    allocation: AllocationPolicy
+    emulation: Emulation
+    step_timeout_s: float
+    _group: dist.ProcessGroup | None
+    _planner: Planner
+    _follows: bool
+    """Whether the model follows another's steps (its leader's loader cuts them)."""
+
+    def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
+                 seed: int | None = None, max_batch: int | Sequence[int | None] | None = None,
+                 accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None) -> AllocatedLoader:
+        """Re-cut ``loader`` so that each batch is this rank's share of a step of ``global_batch`` samples.
+
+        Every DataLoader option is kept; only the batching changes. The epoch order
+        follows the loader's ``DistributedSampler`` (its shuffle and seed), or
+        ``shuffle`` / ``seed`` when given.
+
+        Args:
+            loader: the DataLoader this rank would iterate under plain DDP.
+            global_batch: samples per step over all ranks (default: the loader's batch size x world size, as DDP).
+            shuffle, seed: override the order read off the loader's sampler.
+            max_batch: the most samples one forward may hold (memory): this rank's (an int; the ranks exchange
+                theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). None: the
+                emulated devices' caps under ``hetdp run --devices``, else no cap. Unless ``accumulates``, each share
+                is capped by it (collective: every rank passes the same kind of value).
+            accumulates: whether the loop runs a share above ``max_batch`` as several forwards (micro-batches under
+                ``no_sync``, as ``AllocatedTrainer`` does). Then shares are not capped, and the piecewise adaptive
+                rule counts each micro-batch in its step-time model.
+            cost: per-sample costs of variable-length data (a sequence by dataset index, or a ``CostBalance``):
+                shares become parts of each step's cost, and steps are packed so that each rank's block costs its
+                part. With ``mean_over="cost"`` (the default) each rank's loss must be its mean per cost unit
+                (per token) and the combined gradient is the mean per token over the global step.
+
+        Raises:
+            ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, a global batch too small
+                for the ranks, or one above the sum of capped ranks' ``max_batch`` (the drop-in cannot split a
+                share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``); a model
+                that follows another (its leader's loader cuts the steps).
+        """
+        if self._follows:
+            raise ConfigError("this model follows another's steps: allocate that model's loader")
+        if global_batch is None:
+            batch = per_rank_batch(loader)
+            if batch is None:
+                raise ConfigError(f"the loader batches with a {type(loader.batch_sampler).__name__}, which gives no "
+                                  "batch size: pass global_batch= (samples per step over all ranks)")
+            global_batch = batch * self.world_size
+        balance = None if cost is None else CostBalance.of(cost)
+        if self.allocator is None:
+            caps = memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects)
+            bounds = None if accumulates else caps
+            if bounds is not None:
+                check_fits(bounds, global_batch, balance)
+            self._planner.start(Allocator(
+                self.allocation, self.world_size, global_batch, minimum=1 if global_batch >= self.world_size else 0,
+                dataset_size=len(loader.dataset) if hasattr(loader.dataset, "__len__") else None,
+                caps=bounds, chunks=None if balance else caps))
+        elif self.allocator.total != global_batch:
+            raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
+                              f"not {global_batch}: one global batch per model")
+        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed,  # type: ignore[arg-type]
+                                    cost=balance)
+        self._planner.loader = weakref.ref(allocated)
+        return allocated
+
+    @property
+    def allocator(self) -> Allocator | None:
+        """Who computes how much, and its re-plans (None before ``allocate``, and in a model that follows)."""
+        return self._planner.allocator
+
+    @property
+    def shares(self) -> list[int]:
+        """Samples per step of every rank, as last planned (they apply from the next step not yet cut)."""
+        return self._planner.shares
+
+    def shares_at(self, step: int) -> list[int]:
+        """The shares of global step ``step`` (a step past a planning gather's guard waits for its plan)."""
+        return self._planner.shares_at(step)
+
+    @property
+    def _schedule(self) -> list[tuple[int, list[int]]]:
+        return self._planner.schedule
+
+    def _gather_objects(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order; collective."""
+        values: list[Any] = [None] * self.world_size
+        with peer_failures(what, self.step_timeout_s, self._group):
+            dist.all_gather_object(values, value, group=self._group)
+        return values
+
+    def _rank0s(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value``, on every rank: what the ranks agree on where each drew its own; collective."""
+        return self._gather_objects(value, what)[0]

@@ -1,0 +1,42 @@
+"""Memory caps: the most samples each rank's forward may hold, and whether a step's global batch fits under them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hetdp.allocate.pack import CostBalance
+from hetdp.cluster.emulate import Emulation
+from hetdp.errors import ConfigError
+
+
+def memory_caps(max_batch: int | Sequence[int | None] | None, world_size: int, emulation: Emulation,
+                gather: Callable[[Any, str], list[Any]]) -> list[int | None] | None:
+    """Every rank's largest forward: given for all, exchanged (each rank gives its own, through ``gather``, a
+    collective), or the emulated devices' (``hetdp run --devices``); None: no cap."""
+    if max_batch is None:
+        devices = emulation.devices
+        return None if devices is None else [device.max_batch for device in devices]
+    if isinstance(max_batch, int):
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 sample, got {max_batch}")
+        return gather(max_batch, "exchanging the ranks' max_batch")
+    caps = list(max_batch)
+    if len(caps) != world_size or any(cap is not None and cap < 1 for cap in caps):
+        raise ConfigError(f"max_batch needs one cap >= 1 (or None) per rank for {world_size} ranks, got {caps}")
+    return caps
+
+
+def check_fits(caps: Sequence[int | None], global_batch: int, cost: CostBalance | None) -> None:
+    """Raise ConfigError unless shares capped at ``caps`` (None: no cap) can hold a step of ``global_batch``."""
+    limits = [cap for cap in caps if cap is not None]
+    if not limits:
+        return
+    if cost is not None and cost.pack:
+        raise ConfigError("memory caps bound a rank's samples, and cost-packed steps size blocks by cost: "
+                          "pass accumulates=True and split large blocks in the loop, or drop max_batch")
+    if len(limits) == len(caps) and global_batch > sum(limits):
+        raise ConfigError(
+            f"a global batch of {global_batch} does not fit under the ranks' memory caps {limits} (at most "
+            f"{sum(limits)} samples, one forward each; the drop-in cannot split a share for your loop): lower "
+            f"global_batch, or run shares as micro-batches (accumulates=True, or hetdp.AllocatedTrainer)")
