@@ -88,8 +88,7 @@ class Allocating:
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")
-        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed,  # type: ignore[arg-type]
-                                    cost=balance)
+        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed, cost=balance)
         self._planner.loader = weakref.ref(allocated)
         return allocated
 

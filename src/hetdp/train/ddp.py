@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import inspect
 import weakref
 from types import TracebackType
 from typing import Any, ClassVar
@@ -29,11 +28,11 @@ from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
 from hetdp.runtime import peer_failures
-from hetdp.sync.policy import Allreduce, SyncPolicy, sync_policy
+from hetdp.sync.policy import SyncPolicy, sync_policy
 from hetdp.train.allocating import Allocating
 from hetdp.train.clock import StepClock
 from hetdp.train.follow import Followers, check_follows, check_place
-from hetdp.train.hook import HookState, comm_hook, progress, synchronizer
+from hetdp.train.hook import HookState, buffer_options, comm_hook, progress, synchronizer
 from hetdp.train.loader import StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.train.planning import Planner
@@ -131,24 +130,13 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
                           sync=sync_spec)
         own_group = process_group is None
         group = dist.new_group(timeout=datetime.timedelta(seconds=step_timeout_s)) if own_group else process_group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        place = (dist.get_rank(group), dist.get_world_size(group))
         if follow is not None:
-            try:
-                check_place(follow, (self.rank, self.world_size))
-            except ConfigError:
-                if own_group:
-                    dist.destroy_process_group(group)
-                raise
-        # Partial and local synchronization must not make every forward wait for rank 0's buffers.
-        every_step = isinstance(sync_spec, Allreduce)
-        if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
-            ddp_options.setdefault("forward_sync_buffers", every_step)
-        elif not every_step:
-            ddp_options.setdefault("broadcast_buffers", False)
-        super().__init__(module, process_group=group, **ddp_options)
+            check_place(follow, place, group if own_group else None)
+        super().__init__(module, process_group=group, **buffer_options(sync_spec, ddp_options))
         self.allocation, self.sync, self.step_timeout_s = policy, sync_spec, step_timeout_s
-        self._own_group = own_group
-        self._group: dist.ProcessGroup | None = group
+        self.rank, self.world_size = place
+        self._own_group, self._group = own_group, group
         if follow is not None:
             emulation = Emulation()  # its steps run inside its leader's, which the emulation already paces
         self.emulation = emulation if emulation is not None else Emulation.from_env()
@@ -180,15 +168,6 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._heartbeat = Heartbeat(group, functools.partial(progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
 
-    # --- the allocation ---------------------------------------------------------------------------------------
-
-    def _first_warning(self, key: str) -> bool:
-        """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""
-        if self.rank != 0 or key in self._warned:
-            return False
-        self._warned.add(key)
-        return True
-
     @property
     def steps_done(self) -> int:
         """Steps finished, over all epochs: the global index of the next step."""
@@ -202,6 +181,13 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
     @property
     def _open(self) -> OpenStep | None:
         return self._steps.open
+
+    def _first_warning(self, key: str) -> bool:
+        """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""
+        if self.rank != 0 or key in self._warned:
+            return False
+        self._warned.add(key)
+        return True
 
     # --- the step lifecycle (the allocated loader drives it; loops with their own batching may too) -------------
 
@@ -220,7 +206,6 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         if self._epochs.tally is None:
             self.begin_epoch(0)
         tally = self._epochs.tally
-        assert tally is not None
         block = tuple(samples if rank == self.rank else 0 for rank in range(self.world_size))
         self.begin_ticket(StepTicket(step=self.steps_done, epoch=tally.epoch, index=self.steps_done - tally.first,
                                      block=block, rank=self.rank), total)
@@ -237,11 +222,11 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
             model.begin_ticket(ticket, total)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        stepping = self._steps.open is not None and torch.is_grad_enabled()
-        if stepping:
+        if self._steps.open is not None and torch.is_grad_enabled():
             self._steps.forward(self.require_backward_grad_sync, functools.partial(
                 rebuild_buckets, self, self.step_timeout_s, self._group))
-        elif torch.is_grad_enabled() and self.module.training and not self._follows and self._first_warning("unstepped"):
+        elif (torch.is_grad_enabled() and self.module.training and not self._follows
+              and self._first_warning("unstepped")):
             warn_unstepped()
         # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
         broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)

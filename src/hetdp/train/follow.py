@@ -43,9 +43,12 @@ def check_follows(follow: Any, kind: type, *, own_settings: bool, sync: SyncPoli
                           "deadlock; use allreduce, solo or local for both")
 
 
-def check_place(follow: _Model, place: tuple[int, int]) -> None:
-    """Raise ConfigError unless the follower is ``place`` (rank, world size) in its group as ``follow`` is."""
+def check_place(follow: _Model, place: tuple[int, int], made: dist.ProcessGroup | None) -> None:
+    """Raise ConfigError unless the follower is ``place`` (rank, world size) in its group as ``follow`` is; the group
+    the follower ``made`` for itself, if any, is released first."""
     if (follow.rank, follow.world_size) != place:
+        if made is not None:
+            dist.destroy_process_group(made)
         raise ConfigError(f"a model follows another on the same ranks: this is rank {place[0]} of {place[1]}, "
                           f"the one it follows rank {follow.rank} of {follow.world_size}")
 

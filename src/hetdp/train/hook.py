@@ -7,12 +7,14 @@ names, and ``HookState`` carries what the hook needs into torch's reducer.
 
 from __future__ import annotations
 
+import inspect
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import ParameterAveraging
@@ -87,3 +89,14 @@ def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, 
         raise ConfigError(f"partial synchronization needs trainable parameters of one dtype and device, got {kinds}")
     like = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     return PartialGradients(like, spec.partial_config(), group, sync_every=spec.sync_every, timeout_s=timeout_s)
+
+
+def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any]) -> dict[str, Any]:
+    """torch DDP's options with its forward broadcast of rank 0's buffers off, unless the user set it, where the
+    synchronization is partial or local: there it would make every forward wait for rank 0."""
+    every_step = isinstance(spec, Allreduce)
+    if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
+        ddp_options.setdefault("forward_sync_buffers", every_step)
+    elif not every_step:
+        ddp_options.setdefault("broadcast_buffers", False)
+    return ddp_options

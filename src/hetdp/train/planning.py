@@ -27,7 +27,7 @@ from hetdp.allocate.policy import PLAN_LAG, Allocator
 from hetdp.runtime import wait_for
 from hetdp.sync.base import Synchronizer
 from hetdp.train.metrics import MetricsConfig, MetricsWriter, StepFigures
-from hetdp.train.step import StepTimes
+from hetdp.train.step import EndedStep
 
 if TYPE_CHECKING:
     from hetdp.train.loader import AllocatedLoader, StepTicket
@@ -69,7 +69,7 @@ class _PlanningGather:
 
     work: dist.Work
     rows: list[torch.Tensor]
-    pending: list[StepTimes]
+    pending: list[EndedStep]
     """This rank's steps whose figures it carries."""
     await_after: int
     """``steps_done`` from which ``step_ended`` waits for it."""
@@ -108,7 +108,7 @@ class Planner:
         self.since_meeting = 0
         """Steps since the ranks last met (their replicas may differ meanwhile under partial or local sync)."""
         self.step_figures: collections.deque[StepFigures] = collections.deque(maxlen=HISTORY_STEPS)
-        self._pending: list[StepTimes] = []
+        self._pending: list[EndedStep] = []
         """This rank's steps since the last gather."""
         self._planning: _PlanningGather | None = None
         """Partial and local synchronization: the planning gather in flight, if any."""
@@ -145,7 +145,7 @@ class Planner:
             return False
         return ticket.last or wanted or self.synchronizer.due(self.since_meeting + 1)
 
-    def step_ended(self, times: StepTimes) -> None:
+    def step_ended(self, times: EndedStep) -> None:
         """Count a finished step; meet, gather or re-plan when due (collective)."""
         self._pending.append(times)
         self.steps_done += 1
@@ -215,7 +215,7 @@ class Planner:
         self._plan(max(row.horizon for row in rows), epoch_end)
         return [row.extra for row in rows]
 
-    def _row(self, pending: list[StepTimes], extra: Sequence[float]) -> FiguresRow:
+    def _row(self, pending: list[EndedStep], extra: Sequence[float]) -> FiguresRow:
         loader = self.loader() if self.loader is not None else None
         return FiguresRow(horizon=loader.sampler.next_step if loader is not None else self.steps_done,
                           compute_s=[times.compute_s for times in pending], wait_s=[times.wait_s for times in pending],
@@ -238,7 +238,7 @@ class Planner:
             gathered = torch.stack(rows).cpu()
         return [FiguresRow.of(values, steps) for values in gathered.tolist()]
 
-    def _record(self, rows: list[FiguresRow], pending: list[StepTimes]) -> None:
+    def _record(self, rows: list[FiguresRow], pending: list[EndedStep]) -> None:
         """Keep the gathered figures of ``pending`` (every rank's row) and measure the allocator on them."""
         figures = [StepFigures(step=times.ticket.step, epoch=times.ticket.epoch,
                                shares=[row.samples[i] for row in rows], compute_s=[row.compute_s[i] for row in rows],

@@ -35,7 +35,7 @@ class OpenStep:
 
 
 @dataclass(frozen=True)
-class StepTimes:
+class EndedStep:
     """One of this rank's steps, as measured."""
 
     ticket: StepTicket
@@ -86,7 +86,7 @@ class StepRunner:
         if step.ends_accumulation:
             self.hook.samples, self.hook.total = 1, 1
 
-    def end(self) -> StepTimes | None:
+    def end(self) -> EndedStep | None:
         """Close the open step (None if none) and return its times."""
         step, self.open = self.open, None
         if step is None:
@@ -101,8 +101,8 @@ class StepRunner:
             clock.mark_synced()
         hook.synchronizer.count(step.ticket.samples, step.total)
         if not step.started:
-            return StepTimes(step.ticket, 0.0, 0.0)
-        return StepTimes(step.ticket, clock.compute_s(), clock.wait_s())
+            return EndedStep(step.ticket, 0.0, 0.0)
+        return EndedStep(step.ticket, clock.compute_s(), clock.wait_s())
 
     def stand_in(self) -> bool:
         """Whether the open step runs a stand-in batch (no sample of this rank): its forward runs in eval mode."""

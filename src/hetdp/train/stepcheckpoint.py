@@ -231,8 +231,7 @@ class CheckpointState:
         Call after ``allocate``: the checkpoint holds the position in the epoch's order, and a resumed
         run continues the epoch at the saved step, also on another number of ranks.
         """
-        checkpointer = Checkpointer(self, folder, optimizer, scheduler=scheduler, scaler=scaler,  # type: ignore[arg-type]
-                                    every=every)
+        checkpointer = Checkpointer(self, folder, optimizer, scheduler=scheduler, scaler=scaler, every=every)
         self._listeners = [*(old for old in self._listeners if not isinstance(old, Checkpointer)), checkpointer]
         return checkpointer
 

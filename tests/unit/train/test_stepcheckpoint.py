@@ -41,3 +41,12 @@ def test_a_saved_random_state_draws_again_what_followed_it(tmp_path):
     assert draws() != expected
     set_random_state(load_checkpoint(path)["random"])
     assert draws() == expected
+
+
+def test_the_resume_state_reads_back_and_fills_what_an_older_one_lacks():
+    from hetdp.train.stepcheckpoint import ResumeState
+
+    state = ResumeState(allocator={"shares": [1, 3]}, steps_done=12, world_size=2, position=(1, 4))
+    assert ResumeState.of(state.to_dict(), world_size=4) == state
+    older = ResumeState.of({"allocator": None, "steps_done": 5}, world_size=4)
+    assert (older.world_size, older.position) == (4, None)
