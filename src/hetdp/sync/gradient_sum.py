@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,15 +28,22 @@ class GradientSum(Synchronizer):
     overlap with, so only its latency counts: over gloo, when it is small, it goes
     by recursive doubling (log2 P exchanges) instead of gloo's ring (2(P - 1) hops,
     each waiting for a process to be scheduled). Earlier buckets go asynchronously.
+
+    Ranks that sit out a step (``Route``) leave its exchange: the members sum over
+    a group of their own, a rank alone sums nothing, and a rank out of the step
+    contributes nothing and receives nothing (the drop-in brings it current later).
+
+    The last bucket's path is one decision for the whole group, taken from the
+    backend alone: every rank must run the same collective, and a rank whose
+    gradient lives on a GPU reaches the doubling's point-to-point sends through a
+    host copy (gloo sends host memory), where choosing by the device let a GPU rank
+    run the ring while its CPU peers waited in the doubling.
     """
 
     meets_every_step = True
-    forward_sync_buffers = True
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.route = Route(group, dist.get_rank(group), dist.get_world_size(group))
         self.point_to_point = dist.get_backend(group) == "gloo"
         self.timeout_s = timeout_s
         self.rounds = 0
@@ -48,22 +56,44 @@ class GradientSum(Synchronizer):
             PeerTimeoutError: a peer died or did not join within ``timeout_s``.
         """
         buffer = bucket.buffer()
+        route = self.route
+        if bucket.is_last():
+            self.rounds += 1  # on every route: a rank back from sitting out tags its exchanges as the members do
+        if route.group is None:  # out of the step (weight 0, nothing to receive) or alone in it (nothing to add)
+            buffer.mul_(samples / total if route.world_size == 1 else 0.0)
+            return _done(buffer)
         buffer.mul_(samples / total)
-        if not (bucket.is_last() and self.point_to_point and buffer.device.type == "cpu"
-                and doubling.is_latency_bound(buffer)):
-            work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        if not (bucket.is_last() and self.point_to_point and doubling.is_latency_bound(buffer)):
+            work = dist.all_reduce(buffer, group=route.group, async_op=True)
             return work.get_future().then(self._unwrap)
-        self.rounds += 1
+        host = buffer if buffer.device.type == "cpu" else buffer.cpu()
         with self._peer_failures():
-            doubling.allreduce(self.group, buffer, self.rank, self.world_size, self.rounds,
+            doubling.allreduce(route.group, host, route.rank, route.world_size, self.rounds,
                                time.monotonic() + self.timeout_s)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
-        return done
+        if host is not buffer:
+            buffer.copy_(host)
+        return _done(buffer)
 
     def _unwrap(self, future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         with self._peer_failures():
             return future.value()[0]
 
     def _peer_failures(self) -> contextlib.AbstractContextManager[None]:
-        return peer_failures("the gradient allreduce", self.timeout_s, self.group, rank=self.rank)
+        return peer_failures("the gradient allreduce", self.timeout_s, self.route.group, rank=self.route.rank)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one rank's gradient goes in a step: summed over ``group`` (the step's members), or, with no group,
+    nowhere: alone in the step (``world_size`` 1) or out of it (``world_size`` 0)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    """This rank's index in ``group``."""
+    world_size: int
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(tensor)
+    return done

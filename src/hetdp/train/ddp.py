@@ -35,13 +35,14 @@ from hetdp.liveness import Heartbeat
 from hetdp.runtime import peer_failures, wait_for
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
-from hetdp.sync.gradient_sum import GradientSum
+from hetdp.sync.gradient_sum import GradientSum, Route
 from hetdp.sync.partial import PartialGradients
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy, sync_policy
 from hetdp.train.accumulation import StepAccumulation
 from hetdp.train.clock import StepClock
 from hetdp.train.loader import AllocatedLoader, StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
+from hetdp.train.sitout import Optimizers, SitOut
 from hetdp.train.stepcheckpoint import Checkpointer
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,16 @@ class DistributedDataParallel(TorchDDP):
         self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
         self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s)
         self._hook = _HookState(self.clock, self.synchronizer, self.world_size)
+        self._sitting: SitOut | None = None
+        """Under allreduce, who takes part in each step's exchange (shared with the models that follow this one)."""
+        self._optimizers: Optimizers | None = None
+        """The optimizers over this model's (and its followers') parameters: a rank that sat out catches up on them."""
+        self._syncs_buffers = self._buffer_sync(None)
+        if isinstance(self.synchronizer, GradientSum):
+            if follow is not None:
+                self._sitting = follow._sitting
+            else:
+                self._sitting, self._optimizers = SitOut(group, step_timeout_s), Optimizers([module])
         self.register_comm_hook(self._hook, _comm_hook)
         self.metrics = metrics or MetricsConfig()
         self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
@@ -300,6 +311,8 @@ class DistributedDataParallel(TorchDDP):
         self._follows = follow is not None
         if follow is not None:
             follow._followers.append(weakref.ref(self))
+            if follow._optimizers is not None:
+                follow._optimizers.add(module)
         self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
 
@@ -351,7 +364,8 @@ class DistributedDataParallel(TorchDDP):
             if bounds is not None:
                 _check_fits(bounds, global_batch, balance)
             self.allocator = Allocator(self.allocation, self.world_size, global_batch, dataset_size=dataset_size,
-                                       minimum=minimum, caps=bounds, chunks=None if balance else caps)
+                                       minimum=minimum, caps=bounds, chunks=None if balance else caps,
+                                       membership=self._sitting is not None)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
@@ -428,9 +442,42 @@ class DistributedDataParallel(TorchDDP):
                   else (ticket.weights[ticket.rank], sum(ticket.weights)))
         self._open = _OpenStep(ticket, total, weight)
         self._hook.samples, self._hook.total = weight
+        if self._sitting is not None:
+            self._route(ticket.step)
         self._hook.meets = self._meets_after(ticket)
         for model in self._open_followers():
             model.begin_ticket(ticket, total)
+
+    def _route(self, step: int) -> None:
+        """Send the step's gradient to its members only (``SitOut``); while some rank sits out, torch's forward
+        broadcast of rank 0's buffers is off (rank 0 may be out): the members' buffers meet at the next catch-up."""
+        route = self._sitting.route(step)  # type: ignore[union-attr]
+        everyone = route.world_size == self.world_size
+        self.synchronizer.route = Route(self._group, self.rank, self.world_size) if everyone else route  # type: ignore[attr-defined]
+        self._buffer_sync(self._syncs_buffers and everyone)
+        if self._optimizers is not None:
+            self._optimizers.out = route.world_size == 0
+
+    def _buffer_sync(self, on: bool | None) -> bool:
+        """Turn torch DDP's forward broadcast of buffers on or off (None: leave it); return the setting before."""
+        name = "forward_sync_buffers" if hasattr(self, "forward_sync_buffers") else "broadcast_buffers"
+        before = bool(getattr(self, name))
+        if on is not None:
+            setattr(self, name, on)
+        return before
+
+    def _catch_up(self, force: bool = False, state: bool = True) -> None:
+        """Bring the ranks that sat out current where one rejoins, or, with ``force``, wherever some rank sat out
+        since the last full catch-up (``state``: the optimizers' state too, else only the model): collective, on the
+        model that the others follow."""
+        sitting = self._sitting
+        if sitting is None or self._follows:
+            return
+        modules = [self.module, *(model.module for model in self._open_followers())]
+        if sitting.due(self.steps_done):
+            sitting.catch_up(self.steps_done, modules, self._optimizers or [])
+        elif force and sitting.apart:
+            sitting.catch_up(self.steps_done, modules, self._optimizers or [], state=state)
 
     def _meets_after(self, ticket: StepTicket) -> bool:
         """Whether the ranks will meet after the step of ``ticket`` (every rank gives the same answer): every
@@ -513,6 +560,7 @@ class DistributedDataParallel(TorchDDP):
         if self.synchronizer.meets_every_step:
             if self._gather_due():
                 self._gather_and_plan()
+            self._catch_up()
         else:
             if self._planning is not None and self.steps_done >= self._planning.await_after:
                 self._await_planning()
@@ -535,6 +583,7 @@ class DistributedDataParallel(TorchDDP):
         totals = [self._epoch["compute_s"], self._epoch["wait_s"], float(self._epoch["samples"]), elapsed_s,
                   0.0 if loss is None else float(loss), float(self._epoch["loss_samples"])]
         gathered = self._gather_and_plan(meet=self._replicas_apart, totals=totals, epoch_end=True)
+        self._catch_up(force=True, state=False)
         loss_samples = float(gathered[:, 5].sum())
         report = EpochReport(
             epoch=self._epoch["epoch"],
@@ -547,6 +596,7 @@ class DistributedDataParallel(TorchDDP):
             loss=float(gathered[:, 4].sum()) / loss_samples if loss_samples else None,
             replans=self._epoch["replans"],
             stable=self.allocator.stable if self.allocator is not None else True,
+            sat_out=dict(self.allocator.sat_out) if self.allocator is not None else {},
         )
         self.epoch_reports.append(report)
         self._next_epoch = report.epoch + 1
@@ -563,6 +613,7 @@ class DistributedDataParallel(TorchDDP):
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
         if self._replicas_apart:
             self._gather_and_plan(meet=True)
+        self._catch_up(force=True)
         for model in self._open_followers():
             model.synchronize()
 
@@ -659,7 +710,7 @@ class DistributedDataParallel(TorchDDP):
             current = self.allocator.shares
             for i, (ticket, _, _) in enumerate(pending):
                 if list(ticket.cut_by) == current:
-                    self.allocator.measure(compute[:, i].tolist())
+                    self.allocator.measure(compute[:, i].tolist(), wait[:, i].tolist())
 
     def _exchange(self, row: list[float], meet: bool) -> torch.Tensor:
         """Every rank's ``row`` (equal lengths), as a ranks x len(row) float64 CPU tensor."""
@@ -690,6 +741,8 @@ class DistributedDataParallel(TorchDDP):
             return
         first = max(horizon, self.steps_done)
         self._schedule.append((first, shares))
+        if self._sitting is not None:
+            self._sitting.schedule(first, allocator.members)
         if self._epoch:
             self._epoch["replans"].append((first - self._epoch["first"], shares))
         log.debug("rank %d: shares %s from step %d", self.rank, shares, first)
@@ -734,6 +787,8 @@ class DistributedDataParallel(TorchDDP):
                 log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
                             self.rank, saved_world, self.world_size)
             self._schedule = [(self.steps_done, list(self.allocator.shares))]
+            if self._sitting is not None and not self._follows:
+                self._sitting.schedule(self.steps_done, self.allocator.members)
         self._pending = []
         self._since_meeting = 0
         self.resume_position = tuple(state["position"]) if state.get("position") is not None else (0, 0)
@@ -751,6 +806,8 @@ class DistributedDataParallel(TorchDDP):
         self._await_planning()
         self._heartbeat.stop()
         self.synchronizer.close()
+        if self._sitting is not None and not self._follows:
+            self._sitting.close()
         if self._accumulation is not None:
             self._accumulation.close()
         if self._writer is not None:
