@@ -131,51 +131,72 @@ def _convnet(seed: int, split: Split) -> nn.Module:
     return ConvNet(in_channels=channels, image_size=size, num_classes=split.num_classes)
 
 
-def _train_group(module: nn.Module, allocation: str, speeds: tuple[float, ...], split: Split, epochs: int,
-                 seed: int, progress: EventWriter) -> list[dict[str, Any]]:
-    """The user's loop with the drop-in; one row per epoch (rank 0's view of every rank)."""
-    emulation = Emulation(speeds=speeds, sample_cost_ms=SAMPLE_COST_MS, seed=seed)
-    model = hetdp_ddp.DistributedDataParallel(module, allocation, "allreduce", emulation=emulation)
-    batch = GLOBAL_BATCH // dist.get_world_size()
-    loader = model.allocate(DataLoader(split.train, batch_size=batch, sampler=DistributedSampler(split.train,
-                                                                                                 seed=seed)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rows = []
-    for epoch in range(epochs):
-        dist.barrier()
-        loader.sampler.set_epoch(epoch)
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(inputs), targets).backward()
-            optimizer.step()
-        report = model.last_epoch
-        rows.append({"epoch": epoch, "epoch_s": report.epoch_s, "shares": report.shares,
-                     "sat_out": {str(rank): why for rank, why in report.sat_out.items()},
-                     "diagnosis": report.diagnosis()})
-        progress.update(row={"run": allocation, **rows[-1]})
-    dist.barrier()
-    model.close()
-    return rows
+class _Group:
+    """The user's loop with the drop-in on every rank, an epoch at a time; a row per epoch (every rank's view)."""
+
+    def __init__(self, module: nn.Module, allocation: str, speeds: tuple[float, ...], split: Split, seed: int) -> None:
+        emulation = Emulation(speeds=speeds, sample_cost_ms=SAMPLE_COST_MS, seed=seed)
+        self.name = allocation
+        self.model = hetdp_ddp.DistributedDataParallel(module, allocation, "allreduce", emulation=emulation)
+        sampler = DistributedSampler(split.train, seed=seed)
+        self.loader = self.model.allocate(DataLoader(split.train, batch_size=GLOBAL_BATCH // dist.get_world_size(),
+                                                     sampler=sampler))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+    def epoch(self, epoch: int) -> dict[str, Any]:
+        self.loader.sampler.set_epoch(epoch)
+        for inputs, targets in self.loader:
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self.model(inputs), targets).backward()
+            self.optimizer.step()
+        report = self.model.last_epoch
+        return {"epoch": epoch, "epoch_s": report.epoch_s, "shares": report.shares,
+                "sat_out": {str(rank): why for rank, why in report.sat_out.items()}, "diagnosis": report.diagnosis()}
+
+    def close(self) -> None:
+        self.model.close()
 
 
-def _train_alone(module: nn.Module, speed: float, split: Split, epochs: int, seed: int, progress: EventWriter
-                 ) -> list[dict[str, Any]]:
-    """The fastest rank on the same global batches, alone: a plain loop, each step paced as its emulated device."""
-    emulation = Emulation(speeds=(speed,), sample_cost_ms=SAMPLE_COST_MS, seed=seed)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-    loader = DataLoader(split.train, batch_size=GLOBAL_BATCH, shuffle=True,
-                        generator=torch.Generator().manual_seed(seed))
-    rows, step = [], 0
-    for epoch in range(epochs):
+class _Alone:
+    """The fastest rank on the same global batches, alone (the others wait): a plain loop, each step paced as its
+    emulated device."""
+
+    def __init__(self, module: nn.Module, speed: float, split: Split, seed: int) -> None:
+        self.name = "fastest alone"
+        self.module = module
+        self.emulation = Emulation(speeds=(speed,), sample_cost_ms=SAMPLE_COST_MS, seed=seed)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        self.loader = DataLoader(split.train, batch_size=GLOBAL_BATCH, shuffle=True,
+                                 generator=torch.Generator().manual_seed(seed))
+        self.step = 0
+
+    def epoch(self, epoch: int) -> dict[str, Any]:
+        if dist.get_rank() != 0:
+            return {}
         started = time.perf_counter()
-        for inputs, targets in loader:
-            with emulation.compute(0, len(inputs), step):
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(module(inputs), targets).backward()
-            optimizer.step()
-            step += 1
-        rows.append({"epoch": epoch, "epoch_s": time.perf_counter() - started, "shares": [GLOBAL_BATCH]})
-        progress.update(row={"run": "fastest alone", **rows[-1]})
+        for inputs, targets in self.loader:
+            with self.emulation.compute(0, len(inputs), self.step):
+                self.optimizer.zero_grad()
+                nn.functional.cross_entropy(self.module(inputs), targets).backward()
+            self.optimizer.step()
+            self.step += 1
+        return {"epoch": epoch, "epoch_s": time.perf_counter() - started, "shares": [GLOBAL_BATCH], "sat_out": {}}
+
+    def close(self) -> None:
+        pass
+
+
+def _alternate(runs: list[_Group | _Alone], epochs: int, progress: EventWriter) -> list[list[dict[str, Any]]]:
+    """An epoch of each run in turn, so that a loaded machine's slow spells fall on all of them alike."""
+    rows: list[list[dict[str, Any]]] = [[] for _ in runs]
+    for epoch in range(epochs):
+        for run, done in zip(runs, rows):
+            dist.barrier()
+            done.append(run.epoch(epoch))
+            progress.update(row={"run": run.name, **done[-1]})
+    dist.barrier()
+    for run in runs:
+        run.close()
     return rows
 
 
@@ -190,16 +211,12 @@ def _worker(argv: list[str]) -> None:
     split = load_dataset("digits", seed=args.seed)
     progress = EventWriter(enabled=rank == 0)
     runs: dict[str, list[dict[str, Any]]] = {}
-    dist.barrier()
-    if rank == 0:  # the others wait meanwhile: the fastest device has the machine to itself, as it would
-        runs["fastest_alone"] = _train_alone(_mlp(args.seed), COMM_HEAVY_SPEEDS[0], split, args.epochs, args.seed,
-                                             progress)
-    dist.barrier()
-    runs["comm_heavy"] = _train_group(_mlp(args.seed), "adaptive", COMM_HEAVY_SPEEDS, split, args.epochs, args.seed,
-                                      progress)
-    for allocation in ("equal", "adaptive"):
-        runs[f"balanced_{allocation}"] = _train_group(_convnet(args.seed, split), allocation, BALANCED_SPEEDS, split,
-                                                      args.epochs, args.seed, progress)
+    runs["fastest_alone"], runs["comm_heavy"] = _alternate(
+        [_Alone(_mlp(args.seed), COMM_HEAVY_SPEEDS[0], split, args.seed),
+         _Group(_mlp(args.seed), "adaptive", COMM_HEAVY_SPEEDS, split, args.seed)], args.epochs, progress)
+    runs["balanced_equal"], runs["balanced_adaptive"] = _alternate(
+        [_Group(_convnet(args.seed, split), allocation, BALANCED_SPEEDS, split, args.seed)
+         for allocation in ("equal", "adaptive")], args.epochs, progress)
     if rank == 0:
         parameters = {"mlp": sum(p.numel() for p in _mlp(0).parameters()),
                       "convnet": sum(p.numel() for p in _convnet(0, split).parameters())}
