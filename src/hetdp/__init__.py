@@ -6,6 +6,7 @@ an allocation (who computes how much: equal, static, adaptive, planned) and a
 synchronization (how contributions combine: allreduce, partial, local).
 """
 
+import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.minmax import min_max_shares

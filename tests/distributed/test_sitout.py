@@ -28,8 +28,15 @@ def out(tmp_path_factory, torchrun) -> Path:
     return folder
 
 
-def load(out: Path) -> list[dict]:
-    return [json.loads((out / f"sitout_{rank}.json").read_text()) for rank in range(RANKS)]
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory, torchrun) -> Path:
+    folder = tmp_path_factory.mktemp("forced")
+    torchrun("sitout_worker.py", RANKS, "--out", folder, "--change-at", CHANGE_AT, "--forced", timeout_s=300)
+    return folder
+
+
+def load(out: Path, name: str = "sitout") -> list[dict]:
+    return [json.loads((out / f"{name}_{rank}.json").read_text()) for rank in range(RANKS)]
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -82,3 +89,17 @@ def test_the_epoch_reports_say_which_ranks_sat_out_and_why(out):
     assert {"2", "3"} <= set(first["sat_out"]), first  # JSON keys
     assert "sat out" in first["diagnosis"] and "exchange adds" in first["diagnosis"], first["diagnosis"]
     assert reports[-1]["sat_out"] == {}, reports[-1]
+
+
+def test_a_subset_of_members_sums_among_itself_exactly_whichever_ranks_it_holds(forced):
+    # Members 0, 1, 3 (three: one folds into the doubling), then 1, 2 (rank 2 rejoins as rank 0 and 3 leave),
+    # then all four: every member starts every step with the same model, and the run is the one process's.
+    results = load(forced, "forced")
+    members = results[0]["members"]
+    assert members[:9] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[1, 2]] * 3 + [[0, 1, 2, 3]], members
+    for step, ranks in enumerate(members):
+        assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)
+    expected = reference()
+    for rank in range(RANKS):
+        for name, tensor in torch.load(forced / f"forced_{rank}.pt").items():
+            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")

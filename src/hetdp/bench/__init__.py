@@ -22,5 +22,7 @@ BENCHMARKS: dict[str, str] = {
              "lost steps, parameter gap, resize 4 -> 3 ranks",
     "subset": "ranks whose compute is worth less than their exchange sit out: a fast rank beside slow ones vs the fast "
               "one alone, and balanced speeds where everyone pays",
+    "gpu": "on a real GPU: hetdp.DDP's overhead against torch DDP, and one GPU beside three CPU ranks under every "
+           "pairing against the GPU alone (needs a CUDA GPU)",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

@@ -14,8 +14,12 @@ import torch
 import torch.distributed as dist
 
 from hetdp.collectives import doubling
+from hetdp.collectives.paths import Paths
 from hetdp.runtime import peer_failures
 from hetdp.sync.base import Synchronizer
+
+MAX_BUCKETS = 1024
+"""Gradient buckets a step may have: the tags of a step's exchanges are its count of steps x this + the bucket's."""
 
 
 class GradientSum(Synchronizer):
@@ -29,9 +33,11 @@ class GradientSum(Synchronizer):
     by recursive doubling (log2 P exchanges) instead of gloo's ring (2(P - 1) hops,
     each waiting for a process to be scheduled). Earlier buckets go asynchronously.
 
-    Ranks that sit out a step (``Route``) leave its exchange: the members sum over
-    a group of their own, a rank alone sums nothing, and a rank out of the step
-    contributes nothing and receives nothing (the drop-in brings it current later).
+    Ranks that sit out a step (``Route``) leave its exchange: the members sum among
+    themselves by recursive doubling over the group's point-to-point sends (a process
+    group of their own would have to be created alike on every rank, members or not),
+    a rank alone sums nothing, and a rank out of the step contributes nothing and
+    receives nothing (the drop-in brings it current later).
 
     The last bucket's path is one decision for the whole group, taken from the
     backend alone: every rank must run the same collective, and a rank whose
@@ -42,9 +48,9 @@ class GradientSum(Synchronizer):
 
     meets_every_step = True
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, paths: Paths | None = None) -> None:
         self.route = Route(group, dist.get_rank(group), dist.get_world_size(group))
-        self.point_to_point = dist.get_backend(group) == "gloo"
+        self.point_to_point = paths.point_to_point if paths is not None else dist.get_backend(group) == "gloo"
         self.timeout_s = timeout_s
         self.rounds = 0
 
@@ -57,19 +63,21 @@ class GradientSum(Synchronizer):
         """
         buffer = bucket.buffer()
         route = self.route
+        tag = self.rounds * MAX_BUCKETS + bucket.index()  # the same on every rank, whatever its route
         if bucket.is_last():
-            self.rounds += 1  # on every route: a rank back from sitting out tags its exchanges as the members do
+            self.rounds += 1
         if route.group is None:  # out of the step (weight 0, nothing to receive) or alone in it (nothing to add)
             buffer.mul_(samples / total if route.world_size == 1 else 0.0)
             return _done(buffer)
         buffer.mul_(samples / total)
-        if not (bucket.is_last() and self.point_to_point and doubling.is_latency_bound(buffer)):
+        doubles = route.peers is not None or (bucket.is_last() and doubling.is_latency_bound(buffer))
+        if not (self.point_to_point and doubles) and route.peers is None:
             work = dist.all_reduce(buffer, group=route.group, async_op=True)
             return work.get_future().then(self._unwrap)
-        host = buffer if buffer.device.type == "cpu" else buffer.cpu()
+        host = buffer if buffer.device.type == "cpu" or not self.point_to_point else buffer.cpu()
         with self._peer_failures():
-            doubling.allreduce(route.group, host, route.rank, route.world_size, self.rounds,
-                               time.monotonic() + self.timeout_s)
+            doubling.allreduce(route.group, host, route.rank, route.world_size, tag, time.monotonic() + self.timeout_s,
+                               route.peers)
         if host is not buffer:
             buffer.copy_(host)
         return _done(buffer)
@@ -84,13 +92,15 @@ class GradientSum(Synchronizer):
 
 @dataclass(frozen=True)
 class Route:
-    """Where one rank's gradient goes in a step: summed over ``group`` (the step's members), or, with no group,
-    nowhere: alone in the step (``world_size`` 1) or out of it (``world_size`` 0)."""
+    """Where one rank's gradient goes in a step: summed over ``group`` or the ``peers`` of it that are the step's
+    members, or, with no group, nowhere: alone in the step (``world_size`` 1) or out of it (``world_size`` 0)."""
 
     group: dist.ProcessGroup | None
     rank: int
-    """This rank's index in ``group``."""
+    """This rank's place among the ranks that sum."""
     world_size: int
+    peers: tuple[int, ...] | None = None
+    """The ranks of ``group`` that sum, by place, where only some of them do (None: all of ``group``)."""
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

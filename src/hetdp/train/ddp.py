@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import PLAN_LAG, AllocationPolicy, Allocator, allocation_policy
 from hetdp.cluster.emulate import Emulation
+from hetdp.collectives.paths import Paths, agree_in_group
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
 from hetdp.runtime import peer_failures, wait_for
@@ -39,7 +40,7 @@ from hetdp.sync.gradient_sum import GradientSum, Route
 from hetdp.sync.partial import PartialGradients
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy, sync_policy
 from hetdp.train.accumulation import StepAccumulation
-from hetdp.train.clock import StepClock
+from hetdp.train.clock import StepClock, StepTimes, TimesTotal
 from hetdp.train.loader import AllocatedLoader, StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
 from hetdp.train.sitout import Optimizers, SitOut
@@ -57,7 +58,7 @@ class _PlanningGather:
 
     work: dist.Work
     rows: list[torch.Tensor]
-    pending: list[tuple[StepTicket, float, float]]
+    pending: list[tuple[StepTicket, StepTimes]]
     """This rank's steps whose figures it carries."""
     await_after: int
     """``steps_done`` from which ``end_step`` waits for it."""
@@ -133,9 +134,10 @@ def _waits_for_rounds(spec: SyncPolicy) -> bool:
     return isinstance(spec, Partial) and spec.mode != "solo" and not (spec.mode == "quorum" and spec.quorum == 1)
 
 
-def _synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> Synchronizer:
+def _synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
+                  paths: Paths) -> Synchronizer:
     if isinstance(spec, Allreduce):
-        return GradientSum(group, timeout_s)
+        return GradientSum(group, timeout_s, paths)
     if isinstance(spec, LocalAveraging):
         return ParameterAveraging(spec.every, group, timeout_s)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -264,7 +266,9 @@ class DistributedDataParallel(TorchDDP):
             emulation = Emulation()  # its steps run inside its leader's, which the emulation already paces
         self.emulation = emulation if emulation is not None else Emulation.from_env()
         self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
-        self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s)
+        self.paths = agree_in_group(device, group, step_timeout_s)
+        """The collective paths every rank's device allows, agreed at construction (a group may mix devices)."""
+        self.synchronizer = _synchronizer(sync_spec, module, group, step_timeout_s, self.paths)
         self._hook = _HookState(self.clock, self.synchronizer, self.world_size)
         self._sitting: SitOut | None = None
         """Under allreduce, who takes part in each step's exchange (shared with the models that follow this one)."""
@@ -300,8 +304,8 @@ class DistributedDataParallel(TorchDDP):
         meetings and epoch ends)."""
         self.epoch_reports: list[EpochReport] = []
         self._open: _OpenStep | None = None
-        self._pending: list[tuple[StepTicket, float, float]] = []
-        """This rank's (step, compute s, wait s) since the last gather."""
+        self._pending: list[tuple[StepTicket, StepTimes]] = []
+        """This rank's steps and their times since the last gather."""
         self._since_meeting = 0
         self._planning: _PlanningGather | None = None
         """Partial and local synchronization: the planning gather in flight, if any."""
@@ -411,8 +415,7 @@ class DistributedDataParallel(TorchDDP):
     def begin_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Start the epoch's figures; the allocated loader calls it."""
         self._epoch = {"epoch": epoch, "first": self.steps_done - start_step, "started": time.perf_counter(),
-                       "compute_s": 0.0, "wait_s": 0.0, "samples": 0, "steps": 0, "loss": None, "loss_samples": 0,
-                       "replans": []}
+                       "times": TimesTotal(), "samples": 0, "steps": 0, "loss": None, "loss_samples": 0, "replans": []}
         for model in self._open_followers():
             model.begin_epoch(epoch, start_step)
 
@@ -453,7 +456,9 @@ class DistributedDataParallel(TorchDDP):
         broadcast of rank 0's buffers is off (rank 0 may be out): the members' buffers meet at the next catch-up."""
         route = self._sitting.route(step)  # type: ignore[union-attr]
         everyone = route.world_size == self.world_size
-        self.synchronizer.route = Route(self._group, self.rank, self.world_size) if everyone else route  # type: ignore[attr-defined]
+        if route.group is not None:  # a follower exchanges over its own group
+            route = Route(self._group, route.rank, route.world_size, None if everyone else route.peers)
+        self.synchronizer.route = route  # type: ignore[attr-defined]
         self._buffer_sync(self._syncs_buffers and everyone)
         if self._optimizers is not None:
             self._optimizers.out = route.world_size == 0
@@ -549,12 +554,12 @@ class DistributedDataParallel(TorchDDP):
         if step.started and not reached:  # a micro-batch under no_sync: no bucket marked its end
             self.clock.mark_ready(last_bucket=True)
             self.clock.mark_synced()
-        compute_s = self.clock.compute_s() if step.started else 0.0
-        wait_s = self.clock.wait_s() if step.started else 0.0
+        times = self.clock.finish() if step.started else StepTimes(None, [])
         self.synchronizer.count(ticket.samples, step.total)
-        self._pending.append((ticket, compute_s, wait_s))
-        for key, value in (("compute_s", compute_s), ("wait_s", wait_s), ("samples", ticket.samples), ("steps", 1)):
-            self._epoch[key] += value
+        self._pending.append((ticket, times))
+        self._epoch["times"].add(times)  # read at a gather or the epoch's end: on CUDA, reading waits for the device
+        self._epoch["samples"] += ticket.samples
+        self._epoch["steps"] += 1
         self.steps_done += 1
         self._since_meeting += 1
         if self.synchronizer.meets_every_step:
@@ -580,7 +585,8 @@ class DistributedDataParallel(TorchDDP):
         """
         elapsed_s = time.perf_counter() - self._epoch["started"]
         loss = self._epoch["loss"]
-        totals = [self._epoch["compute_s"], self._epoch["wait_s"], float(self._epoch["samples"]), elapsed_s,
+        compute_s, wait_s = self._epoch["times"].totals()
+        totals = [compute_s, wait_s, float(self._epoch["samples"]), elapsed_s,
                   0.0 if loss is None else float(loss), float(self._epoch["loss_samples"])]
         gathered = self._gather_and_plan(meet=self._replicas_apart, totals=totals, epoch_end=True)
         self._catch_up(force=True, state=False)
@@ -655,12 +661,12 @@ class DistributedDataParallel(TorchDDP):
         """Steps measured at the current shares, gathered or not: what the allocator's next re-plan would use."""
         current = self.allocator.shares  # type: ignore[union-attr]
         return self.allocator.measured + sum(  # type: ignore[union-attr]
-            1 for ticket, _, _ in self._pending if list(ticket.cut_by) == current)
+            1 for ticket, _ in self._pending if list(ticket.cut_by) == current)
 
     def _start_planning(self) -> None:
         pending, self._pending = self._pending, []
         row = self._figures_row(pending)
-        mine = torch.tensor(row, dtype=torch.float64, device=self.clock.device)
+        mine = torch.tensor(row, dtype=torch.float64, device=self._gather_device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(rows, mine, group=self._group, async_op=True)
         self._planning = _PlanningGather(work, rows, pending, await_after=self.steps_done + PLAN_LAG,
@@ -688,27 +694,28 @@ class DistributedDataParallel(TorchDDP):
         self._plan(int(gathered[:, 0].max().item()), epoch_end)
         return gathered[:, 1 + 3 * len(pending) :]
 
-    def _figures_row(self, pending: list[tuple[StepTicket, float, float]]) -> list[float]:
-        """What this rank gathers: the next step its loader cuts, then the compute, wait and samples of ``pending``."""
+    def _figures_row(self, pending: list[tuple[StepTicket, StepTimes]]) -> list[float]:
+        """What this rank gathers: the next step its loader cuts, then the compute, wait and samples of ``pending``
+        (read here: on CUDA their events are read at the gather, not on the step path)."""
         loader = self._loader() if self._loader is not None else None
         horizon = loader.sampler.next_step if loader is not None else self.steps_done
-        return [float(horizon), *(c for _, c, _ in pending), *(w for _, _, w in pending),
-                *(float(t.samples) for t, _, _ in pending)]
+        return [float(horizon), *(t.compute_s for _, t in pending), *(t.wait_s for _, t in pending),
+                *(float(ticket.samples) for ticket, _ in pending)]
 
-    def _record(self, gathered: torch.Tensor, pending: list[tuple[StepTicket, float, float]]) -> None:
+    def _record(self, gathered: torch.Tensor, pending: list[tuple[StepTicket, StepTimes]]) -> None:
         """Keep the gathered figures of ``pending`` (every rank's, a row each) and measure the allocator on them."""
         width = len(pending)
         compute, wait = gathered[:, 1 : 1 + width], gathered[:, 1 + width : 1 + 2 * width]
         samples = gathered[:, 1 + 2 * width : 1 + 3 * width].round().long()
         figures = [StepFigures(step=t.step, epoch=t.epoch, shares=samples[:, i].tolist(),
                                compute_s=compute[:, i].tolist(), wait_s=wait[:, i].tolist())
-                   for i, (t, _, _) in enumerate(pending)]
+                   for i, (t, _) in enumerate(pending)]
         self.step_figures.extend(figures)
         if self._writer is not None and figures:
             self._writer.write_steps(figures)
         if self.allocator is not None:
             current = self.allocator.shares
-            for i, (ticket, _, _) in enumerate(pending):
+            for i, (ticket, _) in enumerate(pending):
                 if list(ticket.cut_by) == current:
                     self.allocator.measure(compute[:, i].tolist(), wait[:, i].tolist())
 
@@ -720,12 +727,16 @@ class DistributedDataParallel(TorchDDP):
             summed = self.synchronizer.meet(self.module, carry.reshape(-1))
             self._since_meeting = 0
             return summed.reshape(self.world_size, len(row)).cpu()  # type: ignore[union-attr]
-        device = self.clock.device
-        mine = torch.tensor(row, dtype=torch.float64, device=device)
+        mine = torch.tensor(row, dtype=torch.float64, device=self._gather_device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         wait_for(dist.all_gather(rows, mine, group=self._group, async_op=True), "gathering step figures",
                  self.step_timeout_s, self._group)
         return torch.stack(rows).cpu()
+
+    @property
+    def _gather_device(self) -> torch.device:
+        """Where the figures gathered go: this rank's GPU under NCCL, the host under gloo (whatever the device)."""
+        return self.clock.device if self.paths.gather_device == "cuda" else torch.device("cpu")
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
         allocator = self.allocator
@@ -806,8 +817,6 @@ class DistributedDataParallel(TorchDDP):
         self._await_planning()
         self._heartbeat.stop()
         self.synchronizer.close()
-        if self._sitting is not None and not self._follows:
-            self._sitting.close()
         if self._accumulation is not None:
             self._accumulation.close()
         if self._writer is not None:

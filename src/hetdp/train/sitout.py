@@ -2,7 +2,7 @@
 
 A rank that sits out keeps running the user's loop in step with the others, on
 stand-in batches (no share), but leaves the step's gradient exchange: the members
-sum over a process group of their own (none when one rank is left). Its replica
+sum among themselves (nothing when one rank is left). Its replica
 then falls behind; it is brought current (parameters, buffers and the state of the
 optimizers over them, broadcast from a member) before it rejoins, at each epoch's
 end and before a checkpoint, so that whatever the loop reads there is the model
@@ -11,7 +11,6 @@ every member holds.
 
 from __future__ import annotations
 
-import datetime
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,8 +31,7 @@ class SitOut:
     from gathered figures), so the subgroups and the catch-up broadcasts line up.
 
     .. warning::
-        ``schedule`` and ``catch_up`` are collective: every rank calls them at the same points (``schedule``
-        creates the members' process group among the members only).
+        ``schedule`` and ``catch_up`` are called by every rank at the same points; ``catch_up`` is collective.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
@@ -44,7 +42,6 @@ class SitOut:
         everyone = tuple(range(self.world_size))
         self._schedule: list[tuple[int, tuple[int, ...]]] = [(0, everyone)]
         """(first step, members from it on), by step."""
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {everyone: group}
         self.catch_up_at: int | None = None
         """The step before which a rank rejoins: the ranks catch up as the step before it ends."""
         self.apart = False
@@ -62,16 +59,12 @@ class SitOut:
         return self._schedule[-1][1]
 
     def schedule(self, first: int, members: Sequence[int]) -> None:
-        """Take ``members`` from step ``first`` on (collective among the new members when they need a group)."""
+        """Take ``members`` from step ``first`` on."""
         members = tuple(sorted(members))
         if members == self.members:
             return
         before = self.members
         self._schedule.append((first, members))
-        if len(members) > 1 and members not in self._groups and self.rank in members:
-            self._groups[members] = dist.new_group(
-                [global_rank(rank, self.group) for rank in members],
-                timeout=datetime.timedelta(seconds=self.timeout_s), use_local_synchronization=True)
         if set(members) - set(before):
             self.catch_up_at = first if self.catch_up_at is None else min(self.catch_up_at, first)
 
@@ -84,7 +77,7 @@ class SitOut:
             return Route(None, -1, 0)
         if len(members) == 1:
             return Route(None, 0, 1)
-        return Route(self._groups[members], members.index(self.rank), len(members))
+        return Route(self.group, members.index(self.rank), len(members), members)
 
     def due(self, steps_done: int) -> bool:
         """Whether a rank rejoins at step ``steps_done``, so that the ranks must catch up now."""
@@ -109,13 +102,6 @@ class SitOut:
                     optimizer.load_state_dict(held[0])
         self.catch_up_at = None
         self.apart = False
-
-    def close(self) -> None:
-        """Release the members' groups this rank made (every member calls it)."""
-        for members, group in self._groups.items():
-            if len(members) < self.world_size:
-                dist.destroy_process_group(group)
-        self._groups = {}
 
 
 class Optimizers:

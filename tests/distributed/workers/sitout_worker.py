@@ -36,17 +36,23 @@ def checksum(module: nn.Module) -> float:
     return float(torch.cat([p.detach().flatten() for p in module.parameters()]).double().sum())
 
 
+FORCED = {1: (2, [11, 11, 0, 10]), 4: (5, [0, 16, 16, 0]), 7: (8, [8, 8, 8, 8])}
+"""--forced: at loop step k, the shares and members (those with a share) from step s on, as a re-plan would set
+them: three members (one folded into the doubling), then two that were not both members, then all again."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--change-at", type=int, required=True)
+    parser.add_argument("--forced", action="store_true", help="memberships set by FORCED, not decided")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
     emulation = Emulation(speeds=(20.0, 20.0, 1.0, 1.0), sample_cost_ms=2.0,
                           speed_changes=((args.change_at, (1.0, 1.0, 1.0, 1.0)),))
-    model = hetdp.DDP(make_wide_model(), "adaptive", emulation=emulation)
+    model = hetdp.DDP(make_wide_model(), "equal" if args.forced else "adaptive", emulation=emulation)
     data = Pairs(SIZE)
     loader = model.allocate(DataLoader(data, batch_size=GLOBAL_BATCH // 4, sampler=DistributedSampler(data, seed=3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -54,6 +60,10 @@ def main() -> None:
     for epoch in range(EPOCHS):
         loader.sampler.set_epoch(epoch)
         for batch in loader:
+            if args.forced and model.steps_done in FORCED:
+                first, shares = FORCED[model.steps_done]
+                model._schedule.append((first, shares))
+                model._sitting.schedule(first, [r for r, share in enumerate(shares) if share])
             members.append(list(model._sitting.members_at(model.steps_done)))
             sums.append(checksum(model.module))
             optimizer.zero_grad()
@@ -61,8 +71,9 @@ def main() -> None:
             optimizer.step()
     reports = [{"sat_out": report.sat_out, "diagnosis": report.diagnosis(), "shares": report.shares}
                for report in model.epoch_reports]
-    (args.out / f"sitout_{rank}.json").write_text(json.dumps({"members": members, "sums": sums, "reports": reports}))
-    torch.save(model.module.state_dict(), args.out / f"sitout_{rank}.pt")
+    name = "forced" if args.forced else "sitout"
+    (args.out / f"{name}_{rank}.json").write_text(json.dumps({"members": members, "sums": sums, "reports": reports}))
+    torch.save(model.module.state_dict(), args.out / f"{name}_{rank}.pt")
     model.close()
     dist.destroy_process_group()
 
