@@ -44,6 +44,8 @@ class StepTimes:
         return self._figures is not None
 
     def _read(self) -> tuple[float, float]:
+        if self._figures is None and not self._backwards:  # a forward with no backward after it: nothing to time
+            self._figures = (0.0, 0.0)
         if self._figures is None:
             start = self._start
             if isinstance(start, torch.cuda.Event):

@@ -80,3 +80,10 @@ def test_a_step_without_a_backward_reads_as_nothing_and_totals_sum_the_steps(fak
     total.add(StepTimes(None, []))
     compute_s, wait_s = total.totals()
     assert compute_s == pytest.approx(0.7) and wait_s == pytest.approx(1.4)
+
+
+def test_a_step_whose_forward_had_no_backward_reads_as_nothing(fake_time):
+    clock = StepClock(torch.device("cpu"), Emulation().pacer(0, 1))
+    clock.start(step=0, samples=4)
+    times = clock.finish()
+    assert (times.compute_s, times.wait_s) == (0.0, 0.0)
