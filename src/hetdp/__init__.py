@@ -9,6 +9,7 @@ synchronization (how contributions combine: allreduce, partial, local).
 import importlib
 import warnings
 
+import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.minmax import min_max_shares

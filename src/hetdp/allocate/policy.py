@@ -21,6 +21,7 @@ import numpy as np
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
+from hetdp.allocate.membership import choose_members
 from hetdp.allocate.planner import plan
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
@@ -98,6 +99,10 @@ class Adaptive:
     drift: float | None = 0.2
     """Once stable, plan again when a rank runs this fraction slower or faster, or a plan would make the step this
     fraction shorter, sustained; None: freeze (paper)."""
+    sit_out: bool = True
+    """Under allreduce, a rank whose compute saves less than the exchange it adds leaves the step's exchange (its share
+    goes to the others) and rejoins when a re-plan shows it pays (``allocate.membership``); False: every rank always
+    takes part."""
     sustain: int = 2
     """Drift checks in a row that must see the change."""
     watch_every: int = 4
@@ -185,6 +190,11 @@ HALF_NORMAL_SD = math.sqrt(1.0 - 2.0 / math.pi)
 """The standard deviation of the lower half of normal noise, per unit of the noise's own (0.603)."""
 
 
+def _typical(seconds: Sequence[float]) -> float:
+    """The value that stands for a window's per-step ``seconds``: their lower quartile (``TYPICAL_QUANTILE``)."""
+    return float(np.quantile(seconds, TYPICAL_QUANTILE))
+
+
 def _spread_below_median(times: Sequence[float]) -> float:
     """The timing noise a low quantile of ``times`` (two or more) carries: the standard deviation their lower half
     shows, scaled to the whole's as for normal noise; for two values, their own.
@@ -213,23 +223,29 @@ class Allocator:
 
     def __init__(self, policy: AllocationPolicy, world_size: int, total: int, *, dataset_size: int | None = None,
                  minimum: int = 1, caps: Sequence[int | None] | None = None,
-                 chunks: Sequence[int | None] | None = None) -> None:
+                 chunks: Sequence[int | None] | None = None, membership: bool = False) -> None:
         if total < minimum * world_size:
             raise ConfigError(f"a global batch of {total} cannot give {world_size} ranks {minimum} sample(s) each")
         self.policy = policy
         self.world_size = world_size
         self.total = total
+        self.minimum = minimum
+        self.caps = None if caps is None else list(caps)
+        self.chunks = None if chunks is None else list(chunks)
         weights = self._weights(policy, world_size, dataset_size)
+        self.members = list(range(world_size))
+        """The ranks in the step's exchange; the others sit out with no share (adaptive allocation only)."""
+        self.decides_membership = membership and isinstance(policy, Adaptive) and policy.sit_out and world_size > 1
+        """Whether re-plans also decide who sits out (the caller's synchronization exchanges every step)."""
+        self.sat_out: dict[int, str] = {}
+        """Rank -> why it sits out, as of the last re-plan."""
+        self.sample_s: list[float | None] = [None] * world_size
+        """Each rank's seconds per sample, as last measured (a rank that sits out keeps its last: it is modelled)."""
+        self.exchange_s: dict[int, float] = {}
+        """Seconds of the step's exchange, by the number of members it was measured with."""
         self.adaptive = None
         if isinstance(policy, Adaptive):
-            rule = policy.rule
-            if rule == "auto":
-                rule = "piecewise" if chunks is not None and any(chunk is not None for chunk in chunks) else "paper"
-            self.adaptive = AdaptiveAllocator(
-                world_size, total, minimum, initial=weights, smoothing=policy.smoothing, tolerance=policy.tolerance,
-                patience=policy.patience, drift=policy.drift, sustain=policy.sustain, rule=rule, caps=caps,
-                chunks=chunks,
-            )
+            self.adaptive = self._rule(self.members, weights)
             self.shares = list(self.adaptive.shares)
         else:
             self.shares = apportion(weights or [1.0] * world_size, total, minimum if weights is None else 0,
@@ -238,10 +254,33 @@ class Allocator:
         """Times the shares changed."""
         self._window: list[list[float]] = []
         """Every rank's compute seconds for each measured step at the current shares, not yet re-planned on."""
+        self._waits: list[list[float]] = []
+        """Every rank's wait seconds for the same steps (where the caller gave them)."""
         self._extended: int | None = None
         """The longer window a too noisy one asked for."""
         self._proposed_from = 0
         """Steps of the window the last re-plan was made from."""
+
+    def _rule(self, members: Sequence[int], weights: Sequence[float] | None) -> AdaptiveAllocator:
+        """The self-adaptive rule over ``members`` (weights: every rank's starting point, or None for equal)."""
+        policy: Adaptive = self.policy  # type: ignore[assignment]
+        rule = policy.rule
+        if rule == "auto":
+            chunks = self.chunks
+            rule = "piecewise" if chunks is not None and any(chunks[m] is not None for m in members) else "paper"
+        return AdaptiveAllocator(
+            len(members), self.total, self.minimum, initial=None if weights is None else [weights[m] for m in members],
+            smoothing=policy.smoothing, tolerance=policy.tolerance, patience=policy.patience, drift=policy.drift,
+            sustain=policy.sustain, rule=rule, caps=None if self.caps is None else [self.caps[m] for m in members],
+            chunks=None if self.chunks is None else [self.chunks[m] for m in members],
+        )
+
+    def _full(self, member_shares: Sequence[int]) -> list[int]:
+        """Every rank's share from the members' (0 for a rank that sits out)."""
+        shares = [0] * self.world_size
+        for rank, share in zip(self.members, member_shares):
+            shares[rank] = share
+        return shares
 
     @staticmethod
     def _weights(policy: AllocationPolicy, world_size: int, dataset_size: int | None) -> list[float] | None:
@@ -295,18 +334,20 @@ class Allocator:
         """Steps measured at the current shares and not yet used by a re-plan."""
         return len(self._window)
 
-    def measure(self, compute_s: Sequence[float]) -> None:
-        """Record one step at the current shares: every rank's compute seconds. A step some rank did not time (it
-        ran no forward with gradients) tells nothing of the speeds and is left out."""
-        if self.adaptive is not None and all(seconds > 0 for seconds in compute_s):
+    def measure(self, compute_s: Sequence[float], wait_s: Sequence[float] | None = None) -> None:
+        """Record one step at the current shares: every rank's compute seconds (and wait seconds, which tell the
+        exchange's time). A step some member did not time (it ran no forward with gradients) tells nothing of the
+        speeds and is left out; a rank that sits out runs stand-ins, and its figures are not read."""
+        if self.adaptive is not None and all(compute_s[rank] > 0 for rank in self.members):
             self._window.append(list(compute_s))
+            self._waits.append(list(wait_s) if wait_s is not None else [])
 
     def due(self, epoch_end: bool = False, min_steps: int = 0) -> bool:
         """Whether enough steps were measured to re-plan (at an epoch's end, any for a per-epoch policy); fewer
         than ``min_steps`` never are, and count towards the next re-plan."""
         window = self.window()
         if window is None:
-            self._window = []
+            self._window, self._waits = [], []
             return False
         measured = len(self._window)
         return measured >= max(min_steps, 1) and (measured >= window if window > 0 else epoch_end)
@@ -323,9 +364,11 @@ class Allocator:
         """
         if self.adaptive is None or not self._window:
             return None
-        compute_s = [list(column) for column in zip(*self._window)]  # ranks x steps
+        compute_s = [[row[rank] for row in self._window] for rank in self.members]  # members x steps
         steps = len(self._window)
         typical = [float(np.quantile(times, TYPICAL_QUANTILE)) for times in compute_s]
+        if self._regroup(typical):
+            return list(self.shares)
         step_cv = None
         if steps > 1:
             spreads = [_spread_below_median(times) / value for times, value in zip(compute_s, typical)]
@@ -333,14 +376,45 @@ class Allocator:
             if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW:
                 self._extended = min(2 * steps, MAX_WINDOW)
                 return None
-        self._window, self._extended = [], None
+        self._window, self._waits, self._extended = [], [], None
         before = list(self.shares)
-        self.shares = self.adaptive.update([value * steps for value in typical], steps, step_cv=step_cv)
+        self.shares = self._full(self.adaptive.update([value * steps for value in typical], steps, step_cv=step_cv))
         self._proposed_from = steps
         if self.shares == before:
             return None
         self.replans += 1
         return list(self.shares)
+
+    def _regroup(self, typical: Sequence[float]) -> bool:
+        """Decide who takes part from the window (the members' typical compute seconds per step, and their waits);
+        return whether the members changed, and then start the rule afresh over the new ones.
+
+        A member's seconds per sample are measured; a rank that sits out keeps the last it showed (its stand-in
+        steps time nothing of its device). The exchange is what the last member to finish computing waits: the
+        least wait of a step; today's step is the longest compute plus wait of a member; both at their typical
+        (lower-quartile) value over the window.
+        """
+        if not self.decides_membership:
+            return False
+        for rank, seconds in zip(self.members, typical):
+            if self.shares[rank] > 0:
+                self.sample_s[rank] = seconds / self.shares[rank]
+        rows = [(compute, wait) for compute, wait in zip(self._window, self._waits) if wait]
+        now_s = None
+        if rows:
+            if len(self.members) > 1:
+                self.exchange_s[len(self.members)] = _typical([min(wait[r] for r in self.members) for _, wait in rows])
+            now_s = _typical([max(compute[r] + wait[r] for r in self.members) for compute, wait in rows])
+        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, now_s=now_s)
+        self.sat_out = decision.sat_out
+        if list(decision.members) == self.members or self.total < self.minimum * len(decision.members):
+            return False
+        self.members = list(decision.members)
+        self.adaptive = self._rule(self.members, [1.0 / seconds if seconds else 1.0 for seconds in self.sample_s])
+        self.shares = self._full(self.adaptive.shares)
+        self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
+        self.replans += 1
+        return True
 
     def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
         """Measure a window of steps (each rank's per-step seconds, ranks x steps) and re-plan from it."""
@@ -350,7 +424,9 @@ class Allocator:
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": list(self.shares), "replans": self.replans,
-                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                "members": list(self.members), "sat_out": dict(self.sat_out), "sample_s": list(self.sample_s),
+                "exchange_s": dict(self.exchange_s)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.total:
@@ -359,5 +435,12 @@ class Allocator:
             )
         self.shares = list(state["shares"])
         self.replans = int(state.get("replans", 0))
+        members = [int(rank) for rank in state.get("members", range(self.world_size))]
+        if self.adaptive is not None and members != self.members:
+            self.members = members
+            self.adaptive = self._rule(members, None)
+        self.sat_out = {int(rank): why for rank, why in state.get("sat_out", {}).items()}
+        self.sample_s = list(state.get("sample_s", self.sample_s))
+        self.exchange_s = {int(size): float(seconds) for size, seconds in state.get("exchange_s", {}).items()}
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])

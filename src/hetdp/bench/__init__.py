@@ -20,5 +20,9 @@ BENCHMARKS: dict[str, str] = {
                 "samples/s per setting and pairing",
     "chaos": "a random worker killed or hung at a random step under --max-restarts 2: recovery, the hung rank named, "
              "lost steps, parameter gap, resize 4 -> 3 ranks",
+    "subset": "ranks whose compute is worth less than their exchange sit out: a fast rank beside slow ones vs the fast "
+              "one alone, and balanced speeds where everyone pays",
+    "gpu": "on a real GPU: hetdp.DDP's overhead against torch DDP, and one GPU beside three CPU ranks under every "
+           "pairing against the GPU alone (needs a CUDA GPU)",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,15 +56,19 @@ def exchanges(rank: int, world_size: int) -> list[tuple[str, int, int]]:
 
 
 def allreduce(
-    group: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world_size: int, tag: int, deadline: float
+    group: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world_size: int, tag: int, deadline: float,
+    peers: Sequence[int] | None = None,
 ) -> None:
-    """Sum ``tensor`` over ``group`` in place by recursive doubling, failing past ``deadline``.
+    """Sum ``tensor`` over ``group`` (or some of its ranks) in place by recursive doubling, failing past ``deadline``.
 
     Args:
         group: a backend with ``send`` / ``recv`` (a ProcessGroupGloo).
         tensor: this rank's contribution; the sum on return, bitwise identical on every rank.
+        rank, world_size: this rank's place among the ranks that sum, and their number.
         tag: distinct per call (a round's index): messages of two calls never match each other.
         deadline: ``time.monotonic()`` by which the whole reduction must end; past it the backend raises.
+        peers: the ranks in ``group`` that sum, by place (None: all of ``group``); the others take no part, so
+            that a subset sums without a process group of its own (which every rank would have to create alike).
     """
     base = (tag % (2**31 // STEPS_PER_ROUND)) * STEPS_PER_ROUND
     incoming = torch.empty_like(tensor)
@@ -72,7 +77,8 @@ def allreduce(
         # A gloo send or receive cannot be re-waited after a timed-out wait: wait once, up to the deadline.
         work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
-    for kind, peer, offset in exchanges(rank, world_size):
+    for kind, place, offset in exchanges(rank, world_size):
+        peer = place if peers is None else peers[place]
         if kind in ("send", "unfold"):
             wait(group.send([tensor], peer, base + offset))
         elif kind == "recv":

@@ -41,8 +41,11 @@ def float_state(model: nn.Module) -> list[torch.Tensor]:
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One float64 vector of all ``tensors``, for a single collective."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    """One vector of all ``tensors``, for a single collective: in float32 where they are of 16 bits or 32 (a weighted
+    sum of a few 16-bit values would round), float64 only where some already is. On a GPU, a float64 copy of a
+    float32 model would cost twice the model's memory for no precision the parameters can hold."""
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
 def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
@@ -66,18 +69,25 @@ def average_parameters(
 
     The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
     contributes nothing and receives the merged model. ``carry`` (float64 figures, on any device)
-    rides along in the same collective, summed unweighted, and is returned.
+    rides along, summed unweighted, and is returned.
 
     Raises:
         PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
     tensors = float_state(model)
     merged = flatten(tensors) * weight
-    parts = [merged] + ([carry.to(merged.device, torch.float64).reshape(-1)] if carry is not None else [])
-    flat = torch.cat(parts)
-    wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s, group)
-    unflatten_into(tensors, flat)
-    return flat[flat.numel() - carry.numel() :] if carry is not None else None
+    if carry is None or merged.dtype == torch.float64:
+        flat = merged if carry is None else torch.cat([merged, carry.to(merged.device, torch.float64).reshape(-1)])
+        wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s, group)
+        unflatten_into(tensors, flat)
+        return flat[flat.numel() - carry.numel() :] if carry is not None else None
+    # The figures keep float64 (step counts, seconds): they ride in a collective of their own, started together.
+    figures = carry.to(merged.device, torch.float64).reshape(-1)
+    works = [dist.all_reduce(merged, group=group, async_op=True), dist.all_reduce(figures, group=group, async_op=True)]
+    for work in works:
+        wait_for(work, "parameter merge", timeout_s, group)
+    unflatten_into(tensors, merged)
+    return figures
 
 
 @torch.no_grad()

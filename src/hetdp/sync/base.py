@@ -21,9 +21,6 @@ class Synchronizer(ABC):
 
     meets_every_step = False
     """Whether every step already synchronizes the ranks (then no meeting is ever due)."""
-    forward_sync_buffers = False
-    """Whether DDP should broadcast rank 0's buffers before each forward: only where every step waits for every
-    rank anyway; elsewhere it would make every rank wait for rank 0 at every step."""
 
     @abstractmethod
     def reduce(self, bucket: dist.GradBucket, samples: int, total: int, meets: bool = False

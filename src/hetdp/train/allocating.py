@@ -21,6 +21,7 @@ from hetdp.runtime import peer_failures
 from hetdp.train.caps import check_fits, memory_caps
 from hetdp.train.loader import AllocatedLoader, per_rank_batch
 from hetdp.train.planning import Planner
+from hetdp.train.sitout import SitOut
 
 
 class Allocating:
@@ -34,6 +35,8 @@ class Allocating:
     _group: dist.ProcessGroup | None
     _planner: Planner
     _follows: bool
+    _sitting: SitOut | None
+    """Under allreduce, who takes part in each step's exchange: the allocation decides who sits out."""
     """Whether the model follows another's steps (its leader's loader cuts them)."""
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
@@ -84,7 +87,7 @@ class Allocating:
             self._planner.start(Allocator(
                 self.allocation, self.world_size, global_batch, minimum=1 if global_batch >= self.world_size else 0,
                 dataset_size=len(loader.dataset) if hasattr(loader.dataset, "__len__") else None,
-                caps=bounds, chunks=None if balance else caps))
+                caps=bounds, chunks=None if balance else caps, membership=self._sitting is not None))
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")

@@ -9,6 +9,60 @@ import torch
 from hetdp.cluster.emulate import Pacer
 from hetdp.runtime import synchronize
 
+Mark = float | torch.cuda.Event
+"""A moment of a step: ``time.perf_counter()`` on the host, or an event on a CUDA device's stream."""
+
+
+class StepTimes:
+    """One step's compute and wait seconds, worked out when first read (``compute_s``, ``wait_s``).
+
+    On CUDA the marks are events on the device's own timeline; reading them waits
+    for the last one, so the drop-in reads them at its next gather of figures (a
+    collective anyway), never on the step path.
+    """
+
+    def __init__(self, start: Mark | None, backwards: list[list[Mark]]) -> None:
+        self._start = start
+        self._backwards = backwards
+        """Per backward of the step: [ready] or [ready, synced] (its last bucket ready; its gradients combined)."""
+        self._figures: tuple[float, float] | None = None if start is not None else (0.0, 0.0)
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds from the step's start to its last backward's last bucket, less the waits of earlier backwards."""
+        return self._read()[0]
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds from each backward's last bucket ready to its gradients combined, summed over the step's
+        backwards: waiting for others plus the exchange."""
+        return self._read()[1]
+
+    @property
+    def read(self) -> bool:
+        """Whether the figures were worked out (reading them again costs nothing)."""
+        return self._figures is not None
+
+    def _read(self) -> tuple[float, float]:
+        if self._figures is None and not self._backwards:  # a forward with no backward after it: nothing to time
+            self._figures = (0.0, 0.0)
+        if self._figures is None:
+            start = self._start
+            if isinstance(start, torch.cuda.Event):
+                self._backwards[-1][-1].synchronize()
+
+                def seconds(mark: Mark) -> float:
+                    return start.elapsed_time(mark) / 1000.0  # type: ignore[union-attr, arg-type]
+            else:
+
+                def seconds(mark: Mark) -> float:
+                    return mark - start  # type: ignore[operator]
+            spans = [[seconds(mark) for mark in marks] for marks in self._backwards]
+            waits = [max(span[1] - span[0], 0.0) if len(span) == 2 else 0.0 for span in spans]
+            ready_s = spans[-1][0] if spans else 0.0
+            self._figures = (max(ready_s - sum(waits[:-1]), 0.0), sum(waits))
+        return self._figures
+
 
 class StepClock:
     """Time one rank's steps: compute (first forward to last gradient bucket ready) and wait (until synchronized).
@@ -16,74 +70,91 @@ class StepClock:
     Compute excludes waiting for others, which is what the adaptive rule needs,
     also in a step that synchronizes more than one backward (a GAN's
     discriminator, two losses backpropagated apart): the wait that ends each
-    backward but the last counts as wait, not as compute of the next one;
-    on CUDA it comes from events on the device's timeline, since the host only
-    queues kernels. Emulated slowness (``Pacer``) is slept inside the compute: a
+    backward but the last counts as wait, not as compute of the next one.
+    On CUDA every mark is an event recorded on the device's stream, and a wait
+    ends when the exchange completes there (the comm hook's callback runs on a
+    stream that waits for it), not when it was queued; nothing on the step path
+    blocks the host. Emulated slowness (``Pacer``) is slept inside the compute: a
     straggler delay and a lead at ``start``, the rest at the last bucket, after
     the step's real compute, so the real work of ranks sharing a few cores
-    overlaps with the sleeps of others instead of delaying the exchange.
+    overlaps with the sleeps of others instead of delaying the exchange. Only
+    then does the clock wait for the device: pacing needs the real compute's end.
     """
 
     def __init__(self, device: torch.device, pacer: Pacer) -> None:
         self.device = device
         self.pacer = pacer
-        self.events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
-        )
-        self.started_at = self.ready_at = self.synced_at = 0.0
-        self._waited_s = 0.0
-        """Waits that ended the started step's earlier backwards."""
-        self._backward_ended = False
-        """The last bucket of a backward is ready: a bucket after it belongs to another backward of the step."""
+        self._start: Mark | None = None
+        self._started_at = 0.0
+        """The host's clock at ``start``: what pacing measures the real compute against."""
+        self._backwards: list[list[Mark]] = []
+        self._closed = False
+        """A bucket came after the last backward's last one: that backward's wait is over (another began)."""
         self._paced: tuple[int, float] | None = None
         """(step, work) of the started step until its padding has run."""
         self.forwards = 0
         """Forwards (micro-batches) of the started step so far; the model counts them, emulation prices them."""
 
+    def _mark(self) -> Mark:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self, step: int, samples: float) -> None:
         """The step's first forward begins (``samples``: its work, in samples or cost units)."""
-        self.started_at = self.ready_at = self.synced_at = time.perf_counter()
-        self._waited_s = 0.0
-        self._backward_ended = False
+        self._started_at = time.perf_counter()
+        self._start = self._mark() if self.device.type == "cuda" else self._started_at
+        self._backwards = []
+        self._closed = False
         self._paced = (step, samples)
         self.forwards = 0
-        if self.events:
-            self.events[0].record()
         self.pacer.start(step, samples)
 
     def mark_ready(self, last_bucket: bool) -> None:
         """A gradient bucket is ready; after the last one, pad the compute to the emulated device's."""
-        if self._backward_ended:  # another backward of the step: the previous one ended waiting for its exchange
-            self._waited_s += self._exchange_wait_s()
-            self._backward_ended = False
-        if last_bucket and self._paced is not None:
+        self._closed = bool(self._backwards)
+        if not last_bucket:
+            return
+        if self._paced is not None:
             step, samples = self._paced
             self._paced = None
-            synchronize(self.device)
-            self.pacer.finish(step, samples, time.perf_counter() - self.started_at, max(self.forwards, 1))
-        self.ready_at = time.perf_counter()
-        self._backward_ended = last_bucket
-        if self.events:
-            self.events[1].record()
+            if self.pacer.active:
+                synchronize(self.device)
+                self.pacer.finish(step, samples, time.perf_counter() - self._started_at, max(self.forwards, 1))
+        self._backwards.append([self._mark()])
+        self._closed = False
 
     def mark_synced(self) -> None:
-        """The step's gradients are combined."""
-        self.synced_at = time.perf_counter()
+        """Gradients of the step are combined (each bucket's, as it completes: the last one ends the wait)."""
+        if self._backwards and not self._closed:
+            self._backwards[-1][1:] = [self._mark()]
 
-    def compute_s(self) -> float:
-        """Seconds from ``start`` to the last ``mark_ready``, less the waits of earlier backwards; call after
-        synchronizing the device."""
-        if self.events:
-            elapsed_s = self.events[0].elapsed_time(self.events[1]) / 1000.0
-        else:
-            elapsed_s = self.ready_at - self.started_at
-        return max(elapsed_s - self._waited_s, 0.0)
+    def finish(self) -> StepTimes:
+        """Close the started step: its figures, read later (``StepTimes``)."""
+        times = StepTimes(self._start, self._backwards)
+        self._start, self._backwards = None, []
+        return times
 
-    def wait_s(self) -> float:
-        """Seconds from each backward's last bucket ready to its gradients combined, summed over the step's
-        backwards: waiting for others plus the exchange."""
-        return self._waited_s + self._exchange_wait_s()
 
-    def _exchange_wait_s(self) -> float:
-        """The latest backward's wait: from its last bucket ready to its gradients combined."""
-        return max(self.synced_at - self.ready_at, 0.0)
+class TimesTotal:
+    """The compute and wait seconds of many steps (an epoch's), summed as they are read: steps are added unread and
+    folded into the sums once read (by a gather), so that an epoch holds on to few unread events."""
+
+    def __init__(self) -> None:
+        self._unread: list[StepTimes] = []
+        self._compute_s = self._wait_s = 0.0
+
+    def add(self, times: StepTimes) -> None:
+        self._unread.append(times)
+        if len(self._unread) > 64:
+            read = [t for t in self._unread if t.read]
+            self._unread = [t for t in self._unread if not t.read]
+            self._compute_s += sum(t.compute_s for t in read)
+            self._wait_s += sum(t.wait_s for t in read)
+
+    def totals(self) -> tuple[float, float]:
+        """(compute seconds, wait seconds) of every step added: reads the unread ones."""
+        return (self._compute_s + sum(t.compute_s for t in self._unread),
+                self._wait_s + sum(t.wait_s for t in self._unread))

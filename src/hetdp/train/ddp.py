@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from hetdp.allocate.policy import AllocationPolicy, allocation_policy
 from hetdp.cluster.emulate import Emulation
+from hetdp.collectives.paths import agree_in_group
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
 from hetdp.runtime import peer_failures
@@ -36,6 +37,7 @@ from hetdp.train.hook import HookState, buffer_options, comm_hook, progress, syn
 from hetdp.train.loader import StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.train.planning import Planner
+from hetdp.train.sitout import SitOutSeam
 from hetdp.train.step import OpenStep, StepListener, StepRunner, evaluating, rebuild_buckets, warn_unstepped
 from hetdp.train.stepcheckpoint import CheckpointState
 from hetdp.train.tally import Epochs
@@ -140,15 +142,22 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         if follow is not None:
             emulation = Emulation()  # its steps run inside its leader's, which the emulation already paces
         self.emulation = emulation if emulation is not None else Emulation.from_env()
-        self.clock = StepClock(next(module.parameters()).device, self.emulation.pacer(self.rank, self.world_size))
-        self.synchronizer = synchronizer(sync_spec, module, group, step_timeout_s)
+        device = next(module.parameters()).device
+        self.clock = StepClock(device, self.emulation.pacer(self.rank, self.world_size))
+        self.paths = agree_in_group(device, group, step_timeout_s)
+        """The collective paths every rank's device allows, agreed at construction (a group may mix devices)."""
+        self.synchronizer = synchronizer(sync_spec, module, group, step_timeout_s, self.paths)
         self._hook = HookState(self.clock, self.synchronizer, self.world_size)
+        self._seam = SitOutSeam.of(self, self.synchronizer, module, group, step_timeout_s,
+                                   follow._seam if follow is not None else None)
+        self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
         self._steps = StepRunner(self._hook, module)
         self.metrics = metrics or MetricsConfig()
         self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
         self._planner = Planner(self.synchronizer, module, group, rank=self.rank, world_size=self.world_size,
-                                device=self.clock.device, timeout_s=step_timeout_s, metrics=self.metrics,
+                                device=device if self.paths.gather_device == "cuda" else torch.device("cpu"),
+                                timeout_s=step_timeout_s, metrics=self.metrics,
                                 writer=self._writer, on_replan=self._replanned)
         self.step_figures = self._planner.step_figures
         """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
@@ -217,6 +226,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         total = ticket.total if total is None else total
         wanted = any(listener.meets_after(self.steps_done + 1) for listener in self._listeners)
         self._steps.begin(ticket, total, meets=self._planner.meets_after(ticket, wanted))
+        if self._seam is not None:
+            self._seam.route(self, ticket.step)
         DistributedDataParallel.steps_in_process += 1
         for model in self._open_followers():
             model.begin_ticket(ticket, total)
@@ -243,12 +254,13 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
 
     def end_step(self) -> None:
         """Close the step (after ``optimizer.step()``): record its figures; meet or re-plan when due."""
-        times = self._steps.end()
-        if times is None:
+        ended = self._steps.end()
+        if ended is None:
             raise ConfigError("end_step() without an open step (call begin_step first)")
         if self._epochs.tally is not None:
-            self._epochs.tally.add_step(times.compute_s, times.wait_s, times.ticket.samples)
-        self._planner.step_ended(times)
+            self._epochs.tally.add_step(ended.times, ended.ticket.samples)
+        self._planner.step_ended(ended)
+        self._catch_up()
         for model in self._open_followers():  # before a checkpoint, which meets their synchronization too
             model.end_step()
         for listener in self._listeners:
@@ -262,8 +274,10 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         assert self._epochs.tally is not None, "end_epoch() without begin_epoch()"
         totals = self._epochs.tally.totals().values()
         every_rank = self._planner.gather(meet=self._planner.apart, extra=totals, epoch_end=True)
-        report = self._epochs.end(every_rank, shares=self.shares,
-                                  stable=self.allocator.stable if self.allocator is not None else True)
+        self._catch_up(force=True, state=False)
+        allocator = self.allocator
+        report = self._epochs.end(every_rank, shares=self.shares, stable=allocator.stable if allocator else True,
+                                  sat_out=dict(allocator.sat_out) if allocator else {})
         for model in self._open_followers():
             model.end_epoch()
         return report
@@ -272,6 +286,14 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         """The planner's news: ``shares`` from global step ``first_step`` on."""
         if self._epochs.tally is not None:
             self._epochs.tally.add_replan(first_step, shares)
+        if self._sitting is not None and self.allocator is not None:
+            self._sitting.schedule(first_step, self.allocator.members)
+
+    def _catch_up(self, force: bool = False, state: bool = True) -> None:
+        """Bring the ranks that sat out current when due (``SitOutSeam.catch_up``); collective."""
+        if self._seam is not None:
+            modules = [self.module, *(model.module for model in self._open_followers())]
+            self._seam.catch_up(self.steps_done, modules, force=force, state=state)
 
     def synchronize(self) -> None:
         """Collective: under partial or local synchronization, meet now, as at an epoch's end (the rounds in flight
@@ -279,6 +301,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
         if self._planner.apart:
             self._planner.gather(meet=True)
+        self._catch_up(force=True)
         for model in self._open_followers():
             model.synchronize()
 

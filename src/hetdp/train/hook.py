@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from hetdp.collectives.paths import Paths
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
@@ -77,10 +78,11 @@ def waits_for_rounds(spec: SyncPolicy) -> bool:
     return isinstance(spec, Partial) and spec.mode != "solo" and not (spec.mode == "quorum" and spec.quorum == 1)
 
 
-def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> Synchronizer:
+def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
+                 paths: Paths) -> Synchronizer:
     """The synchronization ``spec`` names, over ``group``, for the trainable parameters of ``module``."""
     if isinstance(spec, Allreduce):
-        return GradientSum(group, timeout_s)
+        return GradientSum(group, timeout_s, paths)
     if isinstance(spec, LocalAveraging):
         return ParameterAveraging(spec.every, group, timeout_s)
     params = [p for p in module.parameters() if p.requires_grad]

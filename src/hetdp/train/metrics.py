@@ -93,10 +93,21 @@ class EpochReport:
     replans: list[tuple[int, list[int]]] = field(default_factory=list)
     """Each re-plan that changed the shares: (steps of this epoch done before it took effect, the new shares)."""
     stable: bool = False
+    sat_out: dict[int, str] = field(default_factory=dict)
+    """Ranks out of the step's exchange at the epoch's end (no share, stand-in batches), each with why: what its
+    compute would save against what its exchange adds (``allocate.membership``)."""
 
     def diagnosis(self) -> str:
-        """Which rank held the epoch back, and whether by computing or by communicating."""
-        return diagnose_straggler(self.compute_s, self.wait_s)
+        """Which rank held the epoch back, and whether by computing or by communicating; which ranks sat out, and
+        why."""
+        members = [rank for rank in range(len(self.compute_s)) if rank not in self.sat_out]
+        if len(members) == 1:
+            verdict = f"rank {members[0]} trains alone: no straggler, no exchange"
+        else:
+            verdict = diagnose_straggler([self.compute_s[r] for r in members], [self.wait_s[r] for r in members])
+        if self.sat_out:
+            verdict += "".join(f"; rank {rank} sat out: {why}" for rank, why in sorted(self.sat_out.items()))
+        return verdict
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,13 +176,15 @@ class MetricsWriter:
             with self._epochs_path.open("w" if new else "a", newline="") as handle:
                 writer = csv.writer(handle)
                 if new:
-                    writer.writerow(["epoch", "rank", "share", "compute_s", "wait_s", "samples", "epoch_s", "loss"])
+                    writer.writerow(["epoch", "rank", "share", "compute_s", "wait_s", "samples", "epoch_s", "loss",
+                                     "sat_out"])
                 for rank in range(len(report.shares)):
                     writer.writerow([report.epoch, rank, report.shares[rank], f"{report.compute_s[rank]:.6f}",
                                      f"{report.wait_s[rank]:.6f}", report.samples[rank], f"{report.epoch_s:.6f}",
-                                     "" if report.loss is None else f"{report.loss:.6g}"])
+                                     "" if report.loss is None else f"{report.loss:.6g}", int(rank in report.sat_out)])
         if self._board is not None:
             self._board.add_scalar("epoch_s", report.epoch_s, report.epoch)
+            self._board.add_scalar("sat_out", len(report.sat_out), report.epoch)
             if report.loss is not None:
                 self._board.add_scalar("loss", report.loss, report.epoch)
             self._board.flush()

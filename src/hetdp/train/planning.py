@@ -93,11 +93,13 @@ class Planner:
         self.group = group
         self.rank, self.world_size = rank, world_size
         self.device = device
+        """Where the figures gathered go: this rank's GPU under NCCL, the host under gloo (whatever the device)."""
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.writer = writer
         self._on_replan = weakref.WeakMethod(on_replan)  # type: ignore[arg-type]
-        """Told of every new plan (first step, shares); weakly: the model that listens holds the planner."""
+        """Told of every new plan (first step, shares), a restored one too; weakly: the model that listens holds
+        the planner."""
         self.allocator: Allocator | None = None
         self.loader: weakref.ref[AllocatedLoader] | None = None
         """The allocated loader, whose next step is this rank's horizon (weakly: it holds the model)."""
@@ -145,9 +147,9 @@ class Planner:
             return False
         return ticket.last or wanted or self.synchronizer.due(self.since_meeting + 1)
 
-    def step_ended(self, times: EndedStep) -> None:
+    def step_ended(self, ended: EndedStep) -> None:
         """Count a finished step; meet, gather or re-plan when due (collective)."""
-        self._pending.append(times)
+        self._pending.append(ended)
         self.steps_done += 1
         self.since_meeting += 1
         if self.synchronizer.meets_every_step:
@@ -182,7 +184,7 @@ class Planner:
         """Steps measured at the current shares, gathered or not: what the allocator's next re-plan would use."""
         current = self.allocator.shares  # type: ignore[union-attr]
         return self.allocator.measured + sum(  # type: ignore[union-attr]
-            1 for times in self._pending if list(times.ticket.cut_by) == current)
+            1 for ended in self._pending if list(ended.ticket.cut_by) == current)
 
     def _start_planning(self) -> None:
         pending, self._pending = self._pending, []
@@ -218,8 +220,9 @@ class Planner:
     def _row(self, pending: list[EndedStep], extra: Sequence[float]) -> FiguresRow:
         loader = self.loader() if self.loader is not None else None
         return FiguresRow(horizon=loader.sampler.next_step if loader is not None else self.steps_done,
-                          compute_s=[times.compute_s for times in pending], wait_s=[times.wait_s for times in pending],
-                          samples=[times.ticket.samples for times in pending], extra=list(extra))
+                          compute_s=[ended.times.compute_s for ended in pending],  # on CUDA, read here
+                          wait_s=[ended.times.wait_s for ended in pending],
+                          samples=[ended.ticket.samples for ended in pending], extra=list(extra))
 
     def _exchange(self, row: FiguresRow, steps: int, meet: bool) -> list[FiguresRow]:
         """Every rank's row, in rank order: summed into the meeting's carry if ``meet``, else all-gathered."""
@@ -249,9 +252,9 @@ class Planner:
             self.writer.write_steps(figures)
         if self.allocator is not None:
             current = self.allocator.shares
-            for step, times in zip(figures, pending):
-                if list(times.ticket.cut_by) == current:
-                    self.allocator.measure(step.compute_s)
+            for step, ended in zip(figures, pending):
+                if list(ended.ticket.cut_by) == current:
+                    self.allocator.measure(step.compute_s, step.wait_s)
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
         allocator = self.allocator
@@ -284,5 +287,8 @@ class Planner:
                 log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
                             self.rank, saved_world, self.world_size)
             self.schedule = [(steps_done, list(self.allocator.shares))]
+            listener = self._on_replan()
+            if listener is not None:
+                listener(steps_done, list(self.allocator.shares))
         self._pending = []
         self.since_meeting = 0

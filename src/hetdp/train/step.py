@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from hetdp.runtime import peer_failures
 from hetdp.train.accumulation import StepAccumulation
+from hetdp.train.clock import StepTimes
 from hetdp.train.hook import HookState
 from hetdp.train.loader import StepTicket
 
@@ -36,11 +37,10 @@ class OpenStep:
 
 @dataclass(frozen=True)
 class EndedStep:
-    """One of this rank's steps, as measured."""
+    """One of this rank's steps, as measured (its times read at the next gather: on CUDA, reading waits)."""
 
     ticket: StepTicket
-    compute_s: float
-    wait_s: float
+    times: StepTimes
 
 
 class StepRunner:
@@ -100,9 +100,7 @@ class StepRunner:
             clock.mark_ready(last_bucket=True)
             clock.mark_synced()
         hook.synchronizer.count(step.ticket.samples, step.total)
-        if not step.started:
-            return EndedStep(step.ticket, 0.0, 0.0)
-        return EndedStep(step.ticket, clock.compute_s(), clock.wait_s())
+        return EndedStep(step.ticket, clock.finish() if step.started else StepTimes(None, []))
 
     def stand_in(self) -> bool:
         """Whether the open step runs a stand-in batch (no sample of this rank): its forward runs in eval mode."""

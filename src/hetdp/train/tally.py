@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hetdp.train.clock import StepTimes, TimesTotal
 from hetdp.train.metrics import EpochReport, MetricsWriter
 
 
@@ -41,8 +42,8 @@ class EpochTally:
     first: int
     """The global index of the epoch's first step (a resumed epoch counts the steps it skipped)."""
     started: float = field(default_factory=time.perf_counter)
-    compute_s: float = 0.0
-    wait_s: float = 0.0
+    times: TimesTotal = field(default_factory=TimesTotal)
+    """The steps' compute and wait seconds, read at a gather or the epoch's end (on CUDA, reading waits)."""
     samples: int = 0
     steps: int = 0
     loss: torch.Tensor | float | None = None
@@ -51,9 +52,8 @@ class EpochTally:
     replans: list[tuple[int, list[int]]] = field(default_factory=list)
     """Re-plans that took effect in the epoch: (steps of it before, the new shares)."""
 
-    def add_step(self, compute_s: float, wait_s: float, samples: int) -> None:
-        self.compute_s += compute_s
-        self.wait_s += wait_s
+    def add_step(self, times: StepTimes, samples: int) -> None:
+        self.times.add(times)
         self.samples += samples
         self.steps += 1
 
@@ -67,11 +67,13 @@ class EpochTally:
         self.replans.append((first_step - self.first, shares))
 
     def totals(self) -> EpochTotals:
-        return EpochTotals(compute_s=self.compute_s, wait_s=self.wait_s, samples=float(self.samples),
+        compute_s, wait_s = self.times.totals()
+        return EpochTotals(compute_s=compute_s, wait_s=wait_s, samples=float(self.samples),
                            elapsed_s=time.perf_counter() - self.started,
                            loss=0.0 if self.loss is None else float(self.loss), loss_samples=float(self.loss_samples))
 
-    def report(self, every_rank: Sequence[EpochTotals], *, shares: list[int], stable: bool) -> EpochReport:
+    def report(self, every_rank: Sequence[EpochTotals], *, shares: list[int], stable: bool,
+               sat_out: dict[int, str]) -> EpochReport:
         """The epoch's report from every rank's totals (in rank order): the same on every rank."""
         loss_samples = sum(totals.loss_samples for totals in every_rank)
         return EpochReport(
@@ -85,6 +87,7 @@ class EpochTally:
             loss=sum(totals.loss for totals in every_rank) / loss_samples if loss_samples else None,
             replans=self.replans,
             stable=stable,
+            sat_out=sat_out,
         )
 
 
@@ -101,10 +104,12 @@ class Epochs:
     def begin(self, epoch: int, first: int) -> None:
         self.tally = EpochTally(epoch, first=first)
 
-    def end(self, every_rank: Sequence[Sequence[float]], *, shares: list[int], stable: bool) -> EpochReport:
+    def end(self, every_rank: Sequence[Sequence[float]], *, shares: list[int], stable: bool,
+            sat_out: dict[int, str]) -> EpochReport:
         """Close the epoch in progress on every rank's ``EpochTotals`` values (in rank order); return its report."""
         assert self.tally is not None, "an epoch ends that did not begin"
-        report = self.tally.report([EpochTotals.of(values) for values in every_rank], shares=shares, stable=stable)
+        report = self.tally.report([EpochTotals.of(values) for values in every_rank], shares=shares, stable=stable,
+                                  sat_out=sat_out)
         self.reports.append(report)
         self.next = report.epoch + 1
         if self.writer is not None:

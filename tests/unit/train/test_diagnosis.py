@@ -34,3 +34,16 @@ def test_a_compute_spread_within_noise_names_no_straggler():
 
 def test_one_rank_has_nothing_to_wait_for():
     assert diagnose_straggler(compute_s=[3.0], wait_s=[0.03]) == "one rank: nothing to wait for (3.00 s computing)"
+
+
+def test_the_diagnosis_names_the_ranks_that_sat_out_and_why_and_judges_the_members_alone():
+    from hetdp import EpochReport
+
+    report = EpochReport(epoch=0, shares=[0, 32, 0, 0], steps=10, epoch_s=1.0, compute_s=[0.01, 0.9, 0.02, 0.02],
+                         wait_s=[0.0, 0.0, 0.0, 0.0], samples=[0, 320, 0, 0],
+                         sat_out={0: "its 100 samples/s would save 1.0 ms", 2: "x", 3: "y"})
+    text = report.diagnosis()
+    assert text.startswith("rank 1 trains alone") and "rank 0 sat out: its 100 samples/s would save 1.0 ms" in text
+    assert "communication-bound" not in text
+    assert EpochReport(epoch=0, shares=[1], steps=1, epoch_s=1.0, compute_s=[1.0], wait_s=[0.03],
+                       samples=[1]).diagnosis() == "rank 0 trains alone: no straggler, no exchange"

@@ -1,0 +1,114 @@
+"""Who takes part in the synchronous exchange: a rank whose compute saves less than the exchange it adds sits out.
+
+The self-adaptive rule gives every rank a share proportional to its speed, so a
+group of ranks computes a step of ``total`` samples in ``total / sum(speeds)``
+seconds, then exchanges its gradient. A slow rank shortens the compute a little
+and lengthens the exchange (one more peer in the allreduce): a GPU beside three
+CPU cores trains faster alone. The decision here is a pure function of measured
+figures (each rank's seconds per sample, the exchange's seconds at the group
+sizes seen), so every rank that holds the same figures decides the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hetdp.errors import ConfigError
+
+GAIN = 0.05
+"""A change of membership must shorten the predicted step by at least this fraction: the exchange's time is noisy,
+and a rank that leaves or rejoins costs a catch-up broadcast."""
+
+
+def exchange_s(size: int, measured: Mapping[int, float]) -> float:
+    """Seconds of a synchronous exchange among ``size`` ranks: measured at that size, else scaled from the nearest
+    measured size as a ring allreduce's traffic per rank, ``(k - 1) / k`` of the gradient; 0 for one rank.
+
+    Raises:
+        ConfigError: ``size`` < 1.
+    """
+    if size < 1:
+        raise ConfigError(f"a group has at least one rank, got {size}")
+    if size == 1:
+        return 0.0
+    if size in measured:
+        return measured[size]
+    known = [k for k in measured if k > 1]
+    if not known:
+        return 0.0  # never measured: nothing says the exchange costs anything, so nobody sits out for it
+    nearest = min(known, key=lambda k: (abs(k - size), k))
+    return measured[nearest] * ((size - 1) / size) / ((nearest - 1) / nearest)
+
+
+def step_s(members: Sequence[int], sample_s: Sequence[float], total: int, measured: Mapping[int, float]) -> float:
+    """Predicted seconds of a step of ``total`` samples shared by ``members`` in proportion to their speeds (what the
+    self-adaptive rule converges to), then exchanged among them."""
+    speed = sum(1.0 / sample_s[rank] for rank in members)
+    return total / speed + exchange_s(len(members), measured)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A decision: the ranks in the exchange, the step it predicts, and why each other rank sits out."""
+
+    members: tuple[int, ...]
+    step_s: float
+    """Predicted seconds per step with ``members``."""
+    sat_out: dict[int, str] = field(default_factory=dict)
+    """Rank -> why it sits out (what its compute would save against what its exchange adds)."""
+
+
+def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
+                   current: Sequence[int], gain: float = GAIN, now_s: float | None = None) -> Membership:
+    """The members that make the step shortest, if they beat ``current`` by ``gain``; else ``current``.
+
+    For a given group size the fastest ranks are the best group, so only the
+    ``P`` groups of the fastest k ranks are priced (ties by rank: a pure,
+    deterministic function). While some rank's speed is unknown (None: never measured) the members stay.
+    Today's step is priced by ``now_s`` where measured: the model prices compute and exchange apart, and misses
+    what they cost each other (ranks that share cores or a bus, an exchange that slows the compute beside it).
+
+    Args:
+        sample_s: each rank's seconds per sample: measured at its last share (a member's, or an absent rank's
+            from before it sat out: a rank out of the exchange is modelled, not measured).
+        measured: seconds of the exchange at each group size it was measured at (see ``exchange_s``).
+        total: samples per step (the global batch).
+        current: today's members.
+        gain: the fraction by which a new membership must shorten the step.
+        now_s: the measured seconds of today's step (compute and exchange), if known.
+
+    Raises:
+        ConfigError: a speed that is not a positive number, or no current member.
+    """
+    if not current:
+        raise ConfigError("a step needs at least one member")
+    for rank, seconds in enumerate(sample_s):
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(f"seconds per sample must be positive, got {seconds!r} (rank {rank})")
+    unknown = [rank for rank, seconds in enumerate(sample_s) if seconds is None]
+    known = sorted((rank for rank, seconds in enumerate(sample_s) if seconds is not None),
+                   key=lambda rank: (sample_s[rank], rank))
+    if unknown:
+        return Membership(tuple(sorted(current)), math.nan)
+    speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
+    best = min((known[:k] for k in range(1, len(known) + 1)), key=lambda group: step_s(group, speeds, total, measured))
+    if now_s is None:
+        now_s = step_s(current, speeds, total, measured)
+    chosen = sorted(current)
+    if sorted(best) != chosen and step_s(best, speeds, total, measured) <= (1.0 - gain) * now_s:
+        chosen = sorted(best)
+    return Membership(tuple(chosen), now_s if chosen == sorted(current) else step_s(chosen, speeds, total, measured),
+                      {rank: _why_out(rank, chosen, speeds, total, measured) for rank in range(len(speeds))
+                       if rank not in chosen})
+
+
+def _why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,
+             measured: Mapping[int, float]) -> str:
+    """What ``rank`` would save and cost, said in one line."""
+    speed = sum(1.0 / sample_s[r] for r in members)
+    saves_s = total / speed - total / (speed + 1.0 / sample_s[rank])
+    adds_s = exchange_s(len(members) + 1, measured) - exchange_s(len(members), measured)
+    return (f"its {1.0 / sample_s[rank]:.0f} samples/s would save {1000 * saves_s:.1f} ms of compute per step, "
+            f"its exchange adds {1000 * adds_s:.1f} ms")

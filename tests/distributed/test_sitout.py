@@ -1,0 +1,105 @@
+"""Ranks that sit out of the exchange and rejoin it, with real processes over gloo: exact gradients throughout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetdp.train.loader import StepSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from dropin_worker import Pairs  # noqa: E402
+from sitout_worker import EPOCHS, GLOBAL_BATCH, SIZE, make_wide_model  # noqa: E402
+
+RANKS = 4
+CHANGE_AT = 12
+"""The step from which the two fast ranks run at the slow ones' speed."""
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, torchrun) -> Path:
+    folder = tmp_path_factory.mktemp("sitout")
+    torchrun("sitout_worker.py", RANKS, "--out", folder, "--change-at", CHANGE_AT, timeout_s=300)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory, torchrun) -> Path:
+    folder = tmp_path_factory.mktemp("forced")
+    torchrun("sitout_worker.py", RANKS, "--out", folder, "--change-at", CHANGE_AT, "--forced", timeout_s=300)
+    return folder
+
+
+def load(out: Path, name: str = "sitout") -> list[dict]:
+    return [json.loads((out / f"{name}_{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One process on the same global batches, the mean loss over each."""
+    model = make_wide_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = Pairs(SIZE)
+    sampler = StepSampler(SIZE, GLOBAL_BATCH, 0, shares_at=lambda _: [GLOBAL_BATCH], shuffle=True, seed=3,
+                          drop_last=False)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        for first in range(0, SIZE, GLOBAL_BATCH):
+            index = torch.tensor(order[first : first + GLOBAL_BATCH])
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_rejoin_when_they_pay(out):
+    members = load(out)[0]["members"]
+    before = members[:CHANGE_AT]
+    assert any(2 not in step and 3 not in step for step in before), before  # the slow ranks left the exchange
+    assert members[-1] == [0, 1, 2, 3], members  # and came back once the fast ranks slowed down to their speed
+    assert all(step == members_of_rank["members"][i] for members_of_rank in load(out)
+               for i, step in enumerate(members))  # every rank agrees on every step's members
+
+
+def test_the_model_trains_as_one_process_on_the_global_batches_while_ranks_sit_out_and_after_they_rejoin(out):
+    expected = reference()
+    for rank in range(RANKS):  # the ranks that sat out too: they were brought current
+        for name, tensor in torch.load(out / f"sitout_{rank}.pt").items():
+            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_included(out):
+    results = load(out)
+    members = results[0]["members"]
+    rejoined = [step for step in range(1, len(members)) if set(members[step]) - set(members[step - 1])]
+    assert rejoined, members
+    for step, ranks in enumerate(members):
+        sums = {results[rank]["sums"][step] for rank in ranks}
+        assert len(sums) == 1, (step, ranks, sums)
+
+
+def test_the_epoch_reports_say_which_ranks_sat_out_and_why(out):
+    reports = load(out)[0]["reports"]
+    first = reports[0]
+    assert {"2", "3"} <= set(first["sat_out"]), first  # JSON keys
+    assert "sat out" in first["diagnosis"] and "exchange adds" in first["diagnosis"], first["diagnosis"]
+    assert reports[-1]["sat_out"] == {}, reports[-1]
+
+
+def test_a_subset_of_members_sums_among_itself_exactly_whichever_ranks_it_holds(forced):
+    # Members 0, 1, 3 (three: one folds into the doubling), then 1, 2 (rank 2 rejoins as rank 0 and 3 leave),
+    # then all four: every member starts every step with the same model, and the run is the one process's.
+    results = load(forced, "forced")
+    members = results[0]["members"]
+    assert members[:9] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[1, 2]] * 3 + [[0, 1, 2, 3]], members
+    for step, ranks in enumerate(members):
+        assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)
+    expected = reference()
+    for rank in range(RANKS):
+        for name, tensor in torch.load(forced / f"forced_{rank}.pt").items():
+            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")

@@ -1,0 +1,114 @@
+"""Who sits out: the decision from measured seconds per sample and exchange seconds, and the allocator around it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetdp.allocate.membership import GAIN, choose_members, exchange_s, step_s
+from hetdp.allocate.policy import Adaptive, Allocator, Equal
+from hetdp.errors import ConfigError
+
+seconds_per_sample = st.floats(min_value=1e-5, max_value=1.0, allow_nan=False)
+exchange = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+
+
+def test_a_gpu_beside_three_cpu_cores_trains_alone_when_the_exchange_costs_more_than_they_save():
+    # A 100x faster rank: the three slow ones save 7.5 ms of its 256 ms step, the exchange among four costs 40 ms.
+    decision = choose_members([0.001, 0.1, 0.1, 0.1], {4: 0.04}, 256, current=[0, 1, 2, 3])
+    assert decision.members == (0,)
+    assert set(decision.sat_out) == {1, 2, 3} and "exchange adds" in decision.sat_out[1]
+
+
+def test_balanced_ranks_all_stay_when_their_compute_is_worth_the_exchange():
+    decision = choose_members([0.008, 0.008, 0.004, 0.002], {4: 0.002}, 256, current=[0, 1, 2, 3])
+    assert decision.members == (0, 1, 2, 3) and decision.sat_out == {}
+
+
+def test_the_exchange_of_an_unmeasured_group_size_scales_as_a_rings_traffic_and_is_free_alone():
+    assert exchange_s(1, {4: 0.03}) == 0.0
+    assert exchange_s(2, {4: 0.03}) == pytest.approx(0.03 * (1 / 2) / (3 / 4))
+    assert exchange_s(3, {2: 0.01, 4: 0.03}) == pytest.approx(0.01 * (2 / 3) / (1 / 2))  # nearest size, the smaller
+    assert exchange_s(4, {}) == 0.0
+
+
+def test_a_rank_whose_speed_was_never_measured_keeps_the_members_as_they_are():
+    assert choose_members([0.001, None, 0.1], {3: 1.0}, 64, current=[0, 1, 2]).members == (0, 1, 2)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_a_speed_that_is_not_positive_is_one_config_error_naming_the_rank(bad):
+    with pytest.raises(ConfigError, match="rank 1"):
+        choose_members([0.01, bad], {2: 0.01}, 8, current=[0, 1])
+
+
+@given(st.lists(seconds_per_sample, min_size=1, max_size=8), exchange, st.integers(1, 1024))
+def test_the_members_are_the_fastest_ranks_and_never_predict_a_longer_step_than_today(sample_s, seconds, total):
+    world = len(sample_s)
+    everyone = list(range(world))
+    measured = {world: seconds} if world > 1 else {}
+    decision = choose_members(sample_s, measured, total, current=everyone)
+    assert decision.members and set(decision.members) | set(decision.sat_out) == set(everyone)
+    slowest_member = max(sample_s[rank] for rank in decision.members)
+    assert all(sample_s[rank] >= slowest_member for rank in decision.sat_out)  # nobody faster is left out
+    assert decision.step_s <= step_s(everyone, sample_s, total, measured) * (1 + 1e-12)
+
+
+@given(st.lists(seconds_per_sample, min_size=2, max_size=8), exchange, st.integers(1, 1024))
+def test_a_change_of_members_gains_at_least_the_margin_and_the_decision_is_stable(sample_s, seconds, total):
+    everyone = list(range(len(sample_s)))
+    measured = {len(sample_s): seconds}
+    first = choose_members(sample_s, measured, total, current=everyone)
+    if first.members != tuple(everyone):
+        assert first.step_s <= (1 - GAIN) * step_s(everyone, sample_s, total, measured) * (1 + 1e-12)
+    again = choose_members(sample_s, measured, total, current=first.members)
+    assert again.members == first.members  # the same figures never flip it back
+
+
+@given(st.lists(seconds_per_sample, min_size=2, max_size=6))
+def test_with_a_free_exchange_everyone_stays(sample_s):
+    assert choose_members(sample_s, {len(sample_s): 0.0}, 64, current=range(len(sample_s))).sat_out == {}
+
+
+def _window(allocator: Allocator, sample_s: list[float], exchange_s_: float, steps: int = 2) -> list[int] | None:
+    """Feed ``steps`` steps at the current shares (members compute share x seconds per sample; the last to finish
+    waits only for the exchange) and re-plan."""
+    for _ in range(steps):
+        compute = [share * seconds if share else 0.001 for share, seconds in zip(allocator.shares, sample_s)]
+        slowest = max(compute[rank] for rank in allocator.members)
+        wait = [slowest - seconds + exchange_s_ for seconds in compute]
+        allocator.measure(compute, wait)
+    return allocator.replan()
+
+
+def test_the_allocator_gives_the_slow_ranks_no_share_and_gives_it_back_when_the_fast_one_slows_down():
+    allocator = Allocator(Adaptive(), 4, 256, membership=True)
+    assert allocator.members == [0, 1, 2, 3] and allocator.shares == [64] * 4
+    shares = _window(allocator, [0.0001, 0.01, 0.01, 0.01], 0.02)
+    assert allocator.members == [0] and shares == [256, 0, 0, 0]
+    assert set(allocator.sat_out) == {1, 2, 3}
+    for _ in range(6):  # alone: the fast rank is measured, the others stay modelled at their last speed
+        _window(allocator, [0.0001, 0.01, 0.01, 0.01], 0.0)
+    assert allocator.members == [0]
+    _window(allocator, [0.01, 0.01, 0.01, 0.01], 0.0)  # the fast rank drifts to the slow ones' speed
+    assert allocator.members == [0, 1, 2, 3] and allocator.sat_out == {}
+    assert all(share > 0 for share in allocator.shares) and sum(allocator.shares) == 256
+
+
+def test_membership_is_decided_only_where_the_caller_exchanges_every_step_and_the_policy_allows_it():
+    for allocator in (Allocator(Adaptive(), 4, 256), Allocator(Adaptive(sit_out=False), 4, 256, membership=True),
+                      Allocator(Equal(), 4, 256, membership=True)):
+        _window(allocator, [0.0001, 0.01, 0.01, 0.01], 0.02)
+        assert allocator.members == [0, 1, 2, 3]
+
+
+def test_the_membership_survives_a_checkpoint():
+    allocator = Allocator(Adaptive(), 4, 256, membership=True)
+    _window(allocator, [0.0001, 0.01, 0.01, 0.01], 0.02)
+    resumed = Allocator(Adaptive(), 4, 256, membership=True)
+    resumed.load_state_dict(allocator.state_dict())
+    assert resumed.members == [0] and resumed.shares == [256, 0, 0, 0] and resumed.sat_out == allocator.sat_out
+    assert resumed.exchange_s == allocator.exchange_s
