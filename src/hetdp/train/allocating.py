@@ -35,9 +35,9 @@ class Allocating:
     _group: dist.ProcessGroup | None
     _planner: Planner
     _follows: bool
+    """Whether the model follows another's steps (its leader's loader cuts them)."""
     _sitting: SitOut | None
     """Under allreduce, who takes part in each step's exchange: the allocation decides who sits out."""
-    """Whether the model follows another's steps (its leader's loader cuts them)."""
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
                  seed: int | None = None, max_batch: int | Sequence[int | None] | None = None,

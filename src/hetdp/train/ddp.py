@@ -155,9 +155,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._steps = StepRunner(self._hook, module)
         self.metrics = metrics or MetricsConfig()
         self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
-        self._planner = Planner(self.synchronizer, module, group, rank=self.rank, world_size=self.world_size,
+        self._planner = Planner(self.synchronizer, module, group, timeout_s=step_timeout_s, metrics=self.metrics,
                                 device=device if self.paths.gather_device == "cuda" else torch.device("cpu"),
-                                timeout_s=step_timeout_s, metrics=self.metrics,
                                 writer=self._writer, on_replan=self._replanned)
         self.step_figures = self._planner.step_figures
         """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,

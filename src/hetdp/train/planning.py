@@ -85,13 +85,13 @@ class Planner:
         Every rank must call ``step_ended`` and ``gather`` at the same steps: the gathers are collective.
     """
 
-    def __init__(self, synchronizer: Synchronizer, module: nn.Module, group: dist.ProcessGroup, *, rank: int,
-                 world_size: int, device: torch.device, timeout_s: float, metrics: MetricsConfig,
-                 writer: MetricsWriter | None, on_replan: Callable[[int, list[int]], None]) -> None:
+    def __init__(self, synchronizer: Synchronizer, module: nn.Module, group: dist.ProcessGroup, *,
+                 device: torch.device, timeout_s: float, metrics: MetricsConfig, writer: MetricsWriter | None,
+                 on_replan: Callable[[int, list[int]], None]) -> None:
         self.synchronizer = synchronizer
         self.module = module
         self.group = group
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         """Where the figures gathered go: this rank's GPU under NCCL, the host under gloo (whatever the device)."""
         self.timeout_s = timeout_s
