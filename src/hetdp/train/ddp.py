@@ -563,8 +563,16 @@ class DistributedDataParallel(TorchDDP):
         self.steps_done += 1
         self._since_meeting += 1
         if self.synchronizer.meets_every_step:
+            if self._planning is not None and self.steps_done >= self._planning.await_after:
+                self._await_planning()
             if self._gather_due():
-                self._gather_and_plan()
+                if self._sitting is not None and len(self._sitting.members_at(self.steps_done)) < self.world_size:
+                    # The ranks out run stand-ins, a scheduler's whim behind the members: a blocking gather would
+                    # make the members wait for them. Gathered in the background, the plan applies PLAN_LAG later.
+                    if self._planning is None:
+                        self._start_planning()
+                else:
+                    self._gather_and_plan()
             self._catch_up()
         else:
             if self._planning is not None and self.steps_done >= self._planning.await_after:
