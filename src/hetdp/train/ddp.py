@@ -158,6 +158,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._planner = Planner(self.synchronizer, module, group, timeout_s=step_timeout_s, metrics=self.metrics,
                                 device=device if self.paths.gather_device == "cuda" else torch.device("cpu"),
                                 writer=self._writer, on_replan=self._replanned)
+        self._planner.sitting = self._sitting
         self.step_figures = self._planner.step_figures
         """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
         meetings and epoch ends)."""

@@ -31,6 +31,7 @@ from hetdp.train.step import EndedStep
 
 if TYPE_CHECKING:
     from hetdp.train.loader import AllocatedLoader, StepTicket
+    from hetdp.train.sitout import SitOut
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class Planner:
         self._pending: list[EndedStep] = []
         """This rank's steps since the last gather."""
         self._planning: _PlanningGather | None = None
-        """Partial and local synchronization: the planning gather in flight, if any."""
+        """The planning gather in flight, if any: under partial and local synchronization, or while ranks sit out."""
+        self.sitting: SitOut | None = None
+        """Under allreduce, who takes part in each step (``SitOut``), set by the model."""
 
     def start(self, allocator: Allocator) -> None:
         """Plan with ``allocator`` from the next step on."""
@@ -152,13 +155,19 @@ class Planner:
         self._pending.append(ended)
         self.steps_done += 1
         self.since_meeting += 1
-        if self.synchronizer.meets_every_step:
-            if self._gather_due():
-                self.gather()
-            return
         if self._planning is not None and self.steps_done >= self._planning.await_after:
             self.settle()
-        if self.synchronizer.due(self.since_meeting):
+        if self.synchronizer.meets_every_step:
+            if not self._gather_due():
+                return
+            if self.sitting is not None and len(self.sitting.members_at(self.steps_done)) < self.world_size:
+                # The ranks out run stand-ins, a scheduler's whim behind the members: a blocking gather would
+                # make the members wait for them. Gathered in the background, the plan applies PLAN_LAG later.
+                if self._planning is None:
+                    self._start_planning()
+            else:
+                self.gather()
+        elif self.synchronizer.due(self.since_meeting):
             self.gather(meet=True)
         elif self._planning_gather_due():
             self._start_planning()

@@ -23,7 +23,7 @@ from hetdp.cluster.emulate import Emulation
 
 from dropin_worker import Pairs  # noqa: E402  (the test puts this folder on the path)
 
-SIZE, GLOBAL_BATCH, EPOCHS = 320, 32, 4
+SIZE, GLOBAL_BATCH, EPOCHS = 320, 32, 5
 
 
 def make_wide_model(seed: int = 0) -> nn.Module:
