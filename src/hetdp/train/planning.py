@@ -4,10 +4,11 @@ the shares scheduled by step.
 A re-plan must reach every rank before any rank cuts a step it changes: each rank
 gathers the next step its loader will cut (its horizon) with its figures, and the
 new shares apply from the latest horizon on. Under allreduce the gathers are
-blocking, every ``metrics.every`` steps or when the allocator's window is full;
-under partial and local synchronization they ride the synchronization's meetings,
-or run in the background (``PLAN_LAG`` steps in flight), so that only the
-meetings make the ranks wait for each other.
+blocking, every ``metrics.every`` steps or when the allocator's window is full
+(in the background while ranks sit out: the members must not wait for their
+stand-ins); under partial and local synchronization they ride the
+synchronization's meetings, or run in the background (``PLAN_LAG`` steps in
+flight), so that only the meetings make the ranks wait for each other.
 """
 
 from __future__ import annotations
