@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from hetdp.bench.compose import PAIRINGS, _seed_list, render, run, summarize, summarize_seeds
+from hetdp.bench.compose import PAIRINGS, _seed_list, group_seeds, render, run, summarize, summarize_seeds
 from hetdp.errors import ConfigError
 
 SNAPSHOTS = 10
@@ -153,3 +153,11 @@ def test_seeds_are_distinct_integers_and_exclude_seed():
                               seeds=(0, 1))
     with pytest.raises(ConfigError, match="either --seed or --seeds"):
         run(args)
+
+
+def test_each_group_runs_one_repeat_of_one_seed_and_no_two_groups_share_a_repeat():
+    seeds, repeats = (0, 1, 4), 2
+    runs = [group_seeds(group, seeds, repeats) for group in range(len(seeds) * repeats)]
+    assert [of_seed for of_seed, _ in runs] == [0, 0, 1, 1, 4, 4]  # the order summarize_seeds reads them in
+    assert len({seed for _, seed in runs}) == len(runs)
+    assert group_seeds(1, (3,), 3) == (3, 10)  # --seeds 3 runs the repeats --seed 3 runs

@@ -398,13 +398,11 @@ def _worker(argv: list[str]) -> None:
     torch.set_num_threads(1)
     speeds = parse_speeds(args.speeds)
     nproc = len(speeds)
-    # Group g trains on ranks g * nproc ... (g + 1) * nproc - 1, repeat g % repeats of seed g // repeats; the
-    # groups wait for each other only at the end.
+    # Group g trains on ranks g * nproc ... (g + 1) * nproc - 1; the groups wait for each other only at the end.
     everyone = dist.new_group(timeout=datetime.timedelta(seconds=WAIT_S))
     groups = [dist.new_group(list(range(first, first + nproc))) for first in range(0, world_size, nproc)]
     group = rank // nproc
-    repeat, of_seed = group % args.repeats, args.seeds[group // args.repeats]
-    seed = of_seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
+    of_seed, seed = group_seeds(group, args.seeds, args.repeats)
     progress = EventWriter(enabled=rank == 0)
     split = _standardized(load_digits(seed=of_seed))  # one split for every run of a seed: its repeats vary the rest
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=seed,  # the repeat's own draws
@@ -419,6 +417,13 @@ def _worker(argv: list[str]) -> None:
         args.out.write_text(json.dumps({"settings": settings,
                                         "runs": {name: [runs_[name] for runs_ in repeats] for name in runs}}))
     dist.destroy_process_group()
+
+
+def group_seeds(group: int, seeds: Sequence[int], repeats: int) -> tuple[int, int]:
+    """The seed group ``group`` runs a repeat of, and the seed of that repeat's initial model, data order and
+    straggler draws: the groups run each seed's repeats in turn, and seeds S and S + 1 run disjoint repeats."""
+    of_seed = seeds[group // repeats]
+    return of_seed, of_seed * repeats + group % repeats
 
 
 def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,
