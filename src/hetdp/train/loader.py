@@ -277,6 +277,15 @@ class AllocatedLoader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original"], name)
 
+    def batches(self) -> Iterator[Any]:
+        """Iterate the epoch's batches without opening or closing the model's steps: for a framework that owns the
+        loop (``hetdp.integrations``), which fetches a batch before it trains it, or stops fetching at the epoch's
+        last batch, and says itself when a batch's step begins and ends (``begin_ticket`` with
+        ``sampler.tickets.popleft()``, ``end_step``, ``begin_epoch``, ``end_epoch``)."""
+        self.sampler.tickets.clear()
+        self.sampler.next_step = self.model.steps_done
+        return iter(self._loader)
+
     def __iter__(self) -> Iterator[Any]:
         self.sampler.tickets.clear()  # a loop that broke off early left tickets of steps never run
         self.sampler.next_step = self.model.steps_done
