@@ -27,16 +27,18 @@ def launch(torchrun, worker: str, out: Path, scenario: str, env: dict | None = N
     return [json.loads((out / f"{prefix}_{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
 
 
-def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int
+def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3
               ) -> tuple[dict[str, torch.Tensor], float]:
-    """One process on the union of the ranks' batches: the mean loss over each global batch, ``every`` batches
-    accumulated per AdamW step (and the epoch's last, as Lightning does), clipped at 0.5, a OneCycle schedule of
-    ``total_steps``; returns the parameters and the last epoch's mean loss over its samples."""
+    """One process on the union of the ranks' batches in the order of sampler seed ``seed``: the mean loss over each
+    global batch, ``every`` batches accumulated per AdamW step (and the epoch's last, as Lightning and Accelerate
+    do), clipped at 0.5, a OneCycle schedule of ``total_steps`` if given; returns the parameters and the last
+    epoch's mean loss over its samples."""
     model = make_model(7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total_steps)
+    scheduler = (None if total_steps is None else
+                 torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total_steps))
     data = Pairs(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=3,
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
                           drop_last=False)
     steps = math.ceil(size / global_batch)
     for epoch in range(epochs):
@@ -51,7 +53,8 @@ def reference(size: int, global_batch: int, epochs: int, every: int, total_steps
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 optimizer.step()
                 optimizer.zero_grad()
-                scheduler.step()
+                if scheduler is not None:
+                    scheduler.step()
     return model.state_dict(), loss_sum / size
 
 
@@ -102,6 +105,41 @@ def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_e
     pytest.importorskip("lightning")
     # The emulation reaches the strategy through the environment only (hetdp run sets it): no code.
     result = launch(torchrun, "lightning_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
+    for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
+        assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+
+
+@pytest.fixture(scope="module")
+def accelerate_exact(tmp_path_factory, torchrun) -> tuple[list[dict], Path]:
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("accelerate")
+    return launch(torchrun, "accelerate_worker.py", out, "exact"), out
+
+
+def test_accelerate_unequal_shares_train_as_one_process_on_the_global_batch(accelerate_exact):
+    # accelerator.accumulate over 2 batches (the epoch's last batch synchronizes), accelerator.backward, clipping when
+    # gradients sync; static shares 1:2:3:2 of 16 samples, a last step of 2 where ranks 0 and 3 run stand-ins. Had
+    # Accelerate's BatchSamplerShard re-sharded the re-cut batches, the ranks would not cover the global batches.
+    results, out = accelerate_exact
+    blocks = results[0]["blocks"]
+    assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
+    expected, _ = reference(50, 16, 2, every=2, seed=0)  # a RandomSampler: seed 0
+    for name, tensor in torch.load(out / "accelerate_exact.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_accelerate_keeps_its_batch_count_and_its_own_evaluation_loader(accelerate_exact):
+    results, _ = accelerate_exact
+    for result in results:
+        assert result["batches"] == 4 and result["epochs"] == 2, result  # Accelerate's 4 batches a process
+        # The evaluation loader (no shuffle) is Accelerate's: gather_for_metrics sees each of its 40 samples once.
+        assert result["evaluation_loader"] == "DataLoaderShard" and result["evaluated"] == 40, result
+
+
+def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
+    pytest.importorskip("accelerate")
+    result = launch(torchrun, "accelerate_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]

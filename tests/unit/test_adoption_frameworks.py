@@ -14,7 +14,7 @@ ROOT = Path(__file__).parents[2]
 PLAIN = Path(__file__).parent / "adoption"
 """The users' scripts before hetdp (copies of ../shared/adoption), each adopted by one example."""
 
-ADOPTIONS = [("adopt_lightning.py", "plain_lightning.py")]
+ADOPTIONS = [("adopt_lightning.py", "plain_lightning.py"), ("adopt_accelerate.py", "plain_accelerate.py")]
 
 
 def _below_docstring(path: Path) -> list[str]:

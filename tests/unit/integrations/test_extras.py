@@ -11,7 +11,7 @@ import pytest
 
 from hetdp.errors import ConfigError
 
-ADAPTERS = {"lightning": "lightning.pytorch"}
+ADAPTERS = {"lightning": "lightning.pytorch", "accelerate": "accelerate"}
 
 
 def test_the_core_and_its_cli_import_no_framework():
