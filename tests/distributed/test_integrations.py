@@ -143,3 +143,56 @@ def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+
+
+def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches: per optimizer step, the sum of the token losses of its
+    ``every`` global batches over their token count (transformers' loss normalization, which counts the labels
+    from the second position on where it sees that the loss shifts them: ``shifted``), clipped at 0.5, SGD."""
+    from transformers_worker import Tokens, make_lm
+
+    model = make_lm(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = Tokens(size)
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=0,
+                          drop_last=False)
+    steps = math.ceil(size / global_batch)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        batches = [torch.tensor(order[i * global_batch : (i + 1) * global_batch]) for i in range(steps)]
+        for first in range(0, steps, every):
+            update = batches[first : first + every]
+            tokens = sum(int((data.labels[index][:, int(shifted) :] != -100).sum()) for index in update)
+            for index in update:
+                logits = model(input_ids=data.ids[index], attention_mask=data.mask[index]).logits
+                nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), data.labels[index][:, 1:].flatten(),
+                                            ignore_index=-100, reduction="sum").div(tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_transformers_unequal_shares_count_the_token_normalization_once(tmp_path, torchrun):
+    pytest.importorskip("transformers")
+    # A tiny GPT-2 on sequences of 4 to 12 tokens: transformers divides each rank's loss by the step's token count
+    # over all ranks (average_tokens_across_devices) and scales it by the number of ranks. Weighed again by the
+    # shares, the gradient would count the ranks' shares twice; a stand-in batch's tokens would count too.
+    results = launch(torchrun, "transformers_worker.py", tmp_path, "exact")
+    blocks = results[0]["blocks"]
+    assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
+    for result in results:
+        assert result["batches"] == 4 and result["updates"] == 4 and result["epochs"] == 2 and result["closed"]
+    expected = lm_reference(50, 16, 2, every=2, shifted=results[0]["shifts_labels"])
+    for name, tensor in torch.load(tmp_path / "transformers_exact.pt").items():
+        if name in expected:
+            torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_transformers_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
+    pytest.importorskip("transformers")
+    result = launch(torchrun, "transformers_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
+    for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
+        assert abs(share - ideal) <= 0.2 * ideal, result["shares"]

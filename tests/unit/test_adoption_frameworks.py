@@ -12,9 +12,11 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 PLAIN = Path(__file__).parent / "adoption"
-"""The users' scripts before hetdp (copies of ../shared/adoption), each adopted by one example."""
+"""The users' scripts before hetdp (copies of ../shared/adoption, and a small transformers run), each adopted by one
+example."""
 
-ADOPTIONS = [("adopt_lightning.py", "plain_lightning.py"), ("adopt_accelerate.py", "plain_accelerate.py")]
+ADOPTIONS = [("adopt_lightning.py", "plain_lightning.py"), ("adopt_accelerate.py", "plain_accelerate.py"),
+             ("adopt_transformers.py", "plain_transformers.py")]
 
 
 def _below_docstring(path: Path) -> list[str]:

@@ -74,7 +74,7 @@ class Accelerator(accelerate.Accelerator):
         """The model wrapped in ``hetdp.DDP`` by ``prepare``: its shares, epoch reports and diagnosis."""
 
     @property
-    def _wraps_in_ddp(self) -> bool:
+    def wraps_in_ddp(self) -> bool:
         """Whether Accelerate would wrap models in torch's DDP (multi-GPU, multi-CPU and the like)."""
         tensor_parallel = self.parallelism_config is not None and self.parallelism_config.tp_enabled
         return self.distributed_type == DistributedType.MULTI_CPU or (self.multi_device and not tensor_parallel)
@@ -83,7 +83,7 @@ class Accelerator(accelerate.Accelerator):
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Prepare as Accelerate does (placement, mixed precision), then wrap in ``hetdp.DDP`` where Accelerate
         would wrap in torch's DDP."""
-        if evaluation_mode or getattr(model, "_is_accelerate_prepared", False) or not self._wraps_in_ddp:
+        if evaluation_mode or getattr(model, "_is_accelerate_prepared", False) or not self.wraps_in_ddp:
             if self.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU) and not self.multi_device:
                 raise ConfigError(f"hetdp's Accelerator trains data-parallel runs (multi-GPU or multi-CPU), not "
                                   f"{self.distributed_type.value}")
@@ -105,10 +105,16 @@ class Accelerator(accelerate.Accelerator):
         self.hetdp_model = wrapped
         return wrapped
 
+    def end_training(self) -> None:
+        """Release the hetdp model's process group, then end as Accelerate does."""
+        if self.hetdp_model is not None:
+            self.hetdp_model.close()
+        super().end_training()
+
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         """Re-cut a loader that shuffles (a training loader) by the shares; leave any other to Accelerate."""
-        if not self._wraps_in_ddp or not _shuffles(data_loader):
+        if not self.wraps_in_ddp or not _shuffles(data_loader):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         placement = self.device_placement if device_placement is None else device_placement
         return AllocatedDataLoader(self, data_loader, self.device if placement else None)
@@ -141,6 +147,9 @@ class AllocatedDataLoader(DataLoaderStateMixin):
         """The epoch the next iteration runs (Accelerate's name): each iteration draws its own order."""
         self._drop_last = loader.drop_last
         self._loop: LoopLoader | None = None
+        self.opens_steps = True
+        """Whether iterating opens and closes the model's steps; False: the loop's hooks do (transformers' Trainer
+        fetches all the batches of an optimizer step before training the first)."""
 
     @property
     def loop(self) -> LoopLoader:
@@ -161,6 +170,9 @@ class AllocatedDataLoader(DataLoaderStateMixin):
         return self.original.dataset
 
     def __len__(self) -> int:
+        if self._loop is None and self.original.batch_size is not None:  # before the model is prepared
+            full, partial = divmod(len(self.original.dataset), self.original.batch_size * self.accelerator.num_processes)
+            return full + int(bool(partial) and not self._drop_last)
         return len(self.loop)
 
     def __getattr__(self, name: str) -> Any:
@@ -176,6 +188,11 @@ class AllocatedDataLoader(DataLoaderStateMixin):
         self.set_epoch(self.iteration)
         self.begin()
         try:
+            if not self.opens_steps:
+                for batch in loop:
+                    yield batch if self.device is None else send_to_device(batch, self.device)
+                self.iteration += 1
+                return
             batches = iter(loop)
             current = next(batches, _END)
             while current is not _END:

@@ -7,6 +7,7 @@ the next is fetched, the epoch after the last) would then close a step before it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,15 +51,21 @@ class LoopLoader:
         self._epoch_open = True
         yield from batches
 
-    def begin_batch(self) -> StepTicket:
-        """Open the step of the next batch trained (closing the previous one, if the loop did not); return it."""
+    def begin_batch(self, weights: tuple[float, ...] | None = None) -> StepTicket:
+        """Open the step of the next batch trained (closing the previous one, if the loop did not); return it.
+
+        Args:
+            weights: what every rank's gradient is weighed by in this step, where the loss is not the mean over
+                this rank's samples (None: its samples). A loss the framework already normalized over the whole
+                step (transformers' token count across devices) takes equal weights: plain DDP's mean.
+        """
         self.end_batch()
         tickets = self.allocated.sampler.tickets
         if not tickets:
             raise ConfigError("a training batch began that the allocated loader did not deliver: the loop trains "
                               "batches of another loader, or calls begin_batch twice per batch")
         ticket = tickets.popleft()
-        self.model.begin_ticket(ticket)
+        self.model.begin_ticket(ticket if weights is None else dataclasses.replace(ticket, weights=weights))
         self._step_open = True
         return ticket
 

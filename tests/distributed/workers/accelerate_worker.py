@@ -64,8 +64,7 @@ def run(scenario: str, out: Path) -> tuple[int, dict]:
         result = {"shares": report.shares, "replans": report.replans, "speeds": list(ddp.emulation.speeds)}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    accelerator.hetdp_model.close()
-    accelerator.end_training()
+    accelerator.end_training()  # closes the hetdp model too
     return accelerator.process_index, result
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from hetdp.errors import ConfigError
 
-ADAPTERS = {"lightning": "lightning.pytorch", "accelerate": "accelerate"}
+ADAPTERS = {"lightning": "lightning.pytorch", "accelerate": "accelerate", "transformers": "transformers"}
 
 
 def test_the_core_and_its_cli_import_no_framework():
