@@ -33,7 +33,7 @@ FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate", "transformer
 SPEEDS = (1.0, 1.0, 2.0, 4.0)
 STATIC = (1.0, 1.0, 2.0, 4.0)
 """The unequal static shares of the parameter-gap run."""
-SIZES = {"quick": {"samples": 2048, "epochs": 2}, "full": {"samples": 8192, "epochs": 3}}
+SIZES = {"quick": {"samples": 1536, "epochs": 2}, "full": {"samples": 8192, "epochs": 3}}
 GAP_SAMPLES, GAP_BATCH = 200, 8
 """The parameter-gap run: one epoch of 200 samples, 8 a rank (a last step of 8 samples)."""
 FEATURES, CLASSES, LR = 16, 4, 0.2
