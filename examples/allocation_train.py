@@ -4,44 +4,64 @@ Run on 4 local workers of emulated speeds 1, 1, 2, 4:
     hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 8 examples/allocation_train.py --epochs 5
 or on real machines, with torchrun as usual:
     torchrun --nnodes 2 --nproc-per-node 4 ... examples/allocation_train.py
+
+A fast rank's share may exceed what one forward should hold: the loop runs it as
+micro-batches under ``no_sync`` (``allocate(..., accumulates=True)`` tells the
+allocation so), and the gradient is still the mean over the step's samples.
+``--checkpoint FOLDER`` saves every 100 steps and at each epoch's end, and a
+second run resumes where the first stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
 from hetdp.datasets import load_digits
-from hetdp.models import ConvNet
-from hetdp.train.allocation import accuracy
+from hetdp.models import ConvNet, accuracy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--checkpoint", default=None, help="resume from / save to this file each epoch")
+    parser.add_argument("--micro-batch", type=int, default=16, help="the most samples one forward holds")
+    parser.add_argument("--checkpoint", default=None, help="folder to resume from and save to")
     args = parser.parse_args()
 
     rank, _ = hetdp.init_distributed()
     split = load_digits()
     torch.manual_seed(0)  # the same initial model on every rank
-    model = ConvNet()
+    model = hetdp.DDP(ConvNet(), hetdp.Adaptive(replan_every=2))  # emulated by `hetdp run`, if asked
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    config = hetdp.AllocationConfig(policy="adaptive", global_batch=128, micro_batch=16, replan_every=2)
-    trainer = hetdp.AllocatedTrainer(model, optimizer, split.train, config)  # emulated by `hetdp run`, if asked
-    if args.checkpoint:
-        trainer.load_checkpoint(args.checkpoint, missing_ok=True)  # rank 0 reads; any other mismatch is an error
-    with trainer:
-        for epoch in range(trainer.start_epoch, args.epochs):
-            report = trainer.train_epoch(epoch)
-            if args.checkpoint:
-                trainer.save_checkpoint(args.checkpoint)
+    loader = model.allocate(DataLoader(split.train, batch_size=32, sampler=DistributedSampler(split.train, seed=0)),
+                            accumulates=True)
+    checkpoint = model.checkpointer(args.checkpoint, optimizer) if args.checkpoint else None
+    start = checkpoint.epoch if checkpoint is not None and checkpoint.resume() else 0
+    with model:
+        for epoch in range(start, args.epochs):
+            loader.sampler.set_epoch(epoch)
+            for images, labels in loader:  # this rank's share of the step
+                optimizer.zero_grad()
+                pieces = list(zip(images.split(args.micro_batch), labels.split(args.micro_batch)))
+                for index, (x, y) in enumerate(pieces):
+                    with model.no_sync() if index < len(pieces) - 1 else contextlib.nullcontext():
+                        loss = nn.functional.cross_entropy(model(x), y)
+                        (loss * len(x) / len(images)).backward()
+                    model.record_loss(loss, len(x))
+                optimizer.step()
+            if checkpoint is not None:
+                checkpoint.save()  # resumes at the next epoch
+            report = model.last_epoch
             if rank == 0:
                 print(f"epoch {epoch}: shares {report.shares}, epoch {report.epoch_s:.2f} s, "
                       f"compute {[round(s, 2) for s in report.compute_s]} s, "
-                      f"wait {[round(s, 2) for s in report.wait_s]} s, accuracy {accuracy(model, split.test):.3f}")
+                      f"wait {[round(s, 2) for s in report.wait_s]} s, loss {report.loss:.4f}, "
+                      f"accuracy {accuracy(model.module, split.test):.3f}", flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -3,21 +3,23 @@
     hetdp run -n 4 --stragglers 1:200 examples/eager_sgd.py --mode majority
     torchrun --nproc-per-node=4 examples/eager_sgd.py --mode solo
 
+Eager-SGD is the drop-in's partial synchronization: ``hetdp.DDP(net, "equal",
+"majority")`` in place of ``DDP(net)``, and the loop stays a plain DDP loop.
 ``--stragglers 1:200`` makes one random rank sleep 200 ms at every step (the
-same draw on every rank); compare the epoch times of ``--mode full`` (plain
-synchronous SGD) with ``solo`` and ``majority``.
+same draw on every rank); compare the epoch times of ``--mode full`` (every
+round waits for every rank, as synchronous SGD) with ``solo`` and ``majority``.
 
-Expect more rounds than steps: a round runs as soon as its mode allows (in
-majority, when its initiator arrives), so ranks that are out of step with each
-other each start rounds of their own, and every ``flush()`` adds one. No
-gradient is lost or counted twice: each lands in exactly one round, so the
-rounds hold steps x ranks gradients in all.
+Expect more optimizer steps than loop steps: a round runs as soon as its mode
+allows (in majority, when its initiator arrives), so ranks out of step with each
+other each start rounds of their own, and a step that receives several rounds
+runs the loop's ``optimizer.step()`` once per round, as a rank that received
+them one by one. At each epoch's end the ranks meet (the rounds in flight are
+flushed, the parameters averaged): every replica then holds the same model.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
 from hetdp.datasets import load_digits
-from hetdp.models import ConvNet
+from hetdp.models import ConvNet, accuracy
 
 
 def main() -> None:
@@ -37,36 +39,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     args = parser.parse_args()
 
-    rank, world_size = hetdp.init_distributed()
+    rank, _ = hetdp.init_distributed()
     split = load_digits()
-    sampler = DistributedSampler(split.train, seed=0, drop_last=True)  # the same number of steps on every rank
-    loader = DataLoader(split.train, batch_size=args.batch, sampler=sampler, drop_last=True)
-    torch.manual_seed(0)  # the same initial model on every rank
-    model = ConvNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    partial = hetdp.PartialConfig(mode=args.mode, quorum=args.quorum, timeouts=hetdp.Timeouts(round_s=30.0))
+    optimizer_steps = 0
 
-    with hetdp.EagerSGD(optimizer, model, mode=partial) as eager:  # the --stragglers of `hetdp run` apply by itself
+    def count(*_: object) -> None:
+        nonlocal optimizer_steps
+        optimizer_steps += 1
+
+    sync = hetdp.Partial(mode=args.mode, quorum=args.quorum, timeouts=hetdp.Timeouts(round_s=30.0))
+    with hetdp.DDP(ConvNet(), "equal", sync) as model:  # was: DDP(ConvNet()); `hetdp run --stragglers` applies
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optimizer.register_step_post_hook(count)
+        loader = model.allocate(DataLoader(split.train, batch_size=args.batch, sampler=DistributedSampler(split.train)))
         for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            started = time.perf_counter()
+            loader.sampler.set_epoch(epoch)
             for images, labels in loader:
-                eager.zero_grad()
+                optimizer.zero_grad()
                 nn.functional.cross_entropy(model(images), labels).backward()
-                eager.step()
-            eager.flush()  # every rank has now applied the same rounds: a safe point to evaluate
+                optimizer.step()
+            report = model.last_epoch  # the ranks met: every replica holds the same model
             if rank == 0:
-                with torch.no_grad():
-                    images, labels = split.test.tensors
-                    accuracy = (model(images).argmax(1) == labels).float().mean().item()
-                print(f"epoch {epoch}: {time.perf_counter() - started:.2f} s, {eager.steps} steps and "
-                      f"{eager.rounds} rounds so far, test accuracy {accuracy:.3f}", flush=True)
-    gap = eager.divergence()
+                print(f"epoch {epoch}: {report.epoch_s:.2f} s, {model.steps_done} steps and {optimizer_steps} "
+                      f"optimizer steps so far, test accuracy {accuracy(model.module, split.test):.3f}; "
+                      f"{report.diagnosis()}", flush=True)
+        steps = model.steps_done
     if rank == 0:
-        print(f"{args.mode}: {eager.steps} steps per rank; {eager.rounds} rounds held {eager.gradients} gradients "
-              f"({eager.steps} steps x {world_size} ranks, each in one round; a round runs without waiting for the "
-              f"ranks that are out of step, so there are more rounds than steps); "
-              f"largest parameter gap between replicas {gap:g}")
+        print(f"{args.mode}: {steps} steps per rank; {optimizer_steps} optimizer steps on rank 0, one per round it "
+              f"received (a round runs without waiting for the ranks out of step, so there are more rounds than steps)")
     dist.destroy_process_group()
 
 

@@ -6,13 +6,15 @@ an allocation (who computes how much: equal, static, adaptive, planned) and a
 synchronization (how contributions combine: allreduce, partial, local).
 """
 
+import importlib
+import warnings
+
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.minmax import min_max_shares
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.planner import DevicePlan, Plan, plan
 from hetdp.allocate.policy import Adaptive, Equal, Planned, Static
-from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
@@ -21,21 +23,15 @@ from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialRe
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
-from hetdp.train.cadp import CadpConfig, CadpResult, train_cadp
 from hetdp.train.ddp import DDP, DistributedDataParallel
-from hetdp.train.eager import EagerSGD
+from hetdp.train.distribute import distribute
 from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.train.stepcheckpoint import Checkpointer
 
 __all__ = [
     "Adaptive",
     "AdaptiveAllocator",
-    "AllocatedTrainer",
-    "AllocationConfig",
     "Allreduce",
-    "CadpConfig",
-    "CadpResult",
     "CheckpointError",
     "Checkpointer",
     "ClusterSpec",
@@ -46,7 +42,6 @@ __all__ = [
     "DevicePlan",
     "DeviceSpec",
     "DistributedDataParallel",
-    "EagerSGD",
     "Emulation",
     "EpochReport",
     "Equal",
@@ -65,11 +60,38 @@ __all__ = [
     "Static",
     "StepFigures",
     "Timeouts",
-    "WeightedDistributedSampler",
     "apportion",
+    "distribute",
     "init_distributed",
     "min_max_shares",
     "plan",
     "probe_cluster",
-    "train_cadp",
 ]
+
+_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples) and hetdp.DDP(model, "
+         '"equal", "local") over each rank\'s own batches (examples/cadp_train.py)')
+
+_ALLOCATED = ('hetdp.DDP(model, allocation, "allreduce"), model.allocate(loader, accumulates=True) and '
+              "model.checkpointer(folder, optimizer) in your own loop (examples/allocation_train.py)")
+
+_DEPRECATED = {
+    "AllocatedTrainer": ("hetdp.train.allocation", _ALLOCATED),
+    "AllocationConfig": ("hetdp.train.allocation", _ALLOCATED),
+    "CadpConfig": ("hetdp.train.cadp", _CADP),
+    "CadpResult": ("hetdp.train.cadp", _CADP),
+    "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
+                 "in your own loop: its optimizer.step() runs once per round"),
+    "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
+                                   "by the shares"),
+    "train_cadp": ("hetdp.train.cadp", _CADP),
+}
+"""Names that left the public API, with their module and their replacement: they keep working for a release."""
+
+
+def __getattr__(name: str) -> object:
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
+    module, replacement = _DEPRECATED[name]
+    warnings.warn(f"hetdp.{name} is deprecated and goes in the next release; use {replacement}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -22,3 +22,16 @@ class PeerTimeoutError(HetDPError, TimeoutError):
 
 class CheckpointError(HetDPError):
     """A checkpoint cannot be read, or does not match the run that tries to resume from it."""
+
+
+class WorkerError(HetDPError):
+    """A worker of a launch failed: the message names its rank and what it raised; its traceback, if any, was
+    printed once by that worker."""
+
+    def __init__(self, message: str, *, rank: int, exit_code: int, output: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        """The failed worker's exit code, which ``hetdp run`` exits with."""
+        self.output = output
+        """The launch's output, where it was captured."""

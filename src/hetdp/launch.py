@@ -1,17 +1,20 @@
 """Start N local worker processes through torch.distributed.run, the way users launch, and hear back from them.
 
 A launch can follow an event log that rank 0 appends to (progress and measured
-rows, shown as they come), and can take a worker's ``HetDPError`` home: the
-worker leaves its message in a folder instead of a traceback, and the launch
-ends in that one line instead of one traceback per rank under torchrun's summary.
-Both travel through environment variables, so the workers start exactly as
-under torchrun.
+rows, shown as they come), and can take a worker's failure home: one story per
+failure. A worker's ``HetDPError`` is left in a folder as one line, with no
+traceback; any other exception prints its traceback once, on the rank that
+raised it (not on the ranks stopped after it), and the launch ends in one line
+naming that rank, with its exit code, instead of torchrun's tracebacks and
+failure summary. Both travel through environment variables, so the workers
+start exactly as under torchrun.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import runpy
 import signal
@@ -19,13 +22,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from hetdp.errors import ConfigError, HetDPError
+from hetdp.errors import ConfigError, HetDPError, WorkerError
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
@@ -94,12 +99,13 @@ def run_local(
         capture: return stdout and stderr together as ``stdout`` instead of passing them through.
         follow: called every ``POLL_S`` seconds with the events rank 0 wrote since the last call
             (often none, so it can redraw a progress bar), and once more at the end.
-        report_errors: a worker that raises a HetDPError exits with code 2 and no traceback,
-            and this call raises a HetDPError with its message instead.
+        report_errors: a worker that raises a HetDPError exits with code 2 and no traceback, one that
+            raises another exception prints its traceback once (the ranks that fail after it, none), and
+            this call raises a WorkerError naming the first rank that failed instead.
 
     Raises:
-        HetDPError: the workers were still running after ``timeout_s`` seconds, or (with
-            ``report_errors``) one of them raised a HetDPError; its message and rank.
+        HetDPError: the workers were still running after ``timeout_s`` seconds.
+        WorkerError: (with ``report_errors``) a worker raised; its message, rank and exit code.
     """
     attempt = 0
     while True:
@@ -127,7 +133,7 @@ def _launch_once(
     report_errors: bool,
     last: bool,
 ) -> subprocess.CompletedProcess[str]:
-    """One torchrun of ``target``. A worker's HetDPError is raised where no restart can get past it (a ConfigError)
+    """One torchrun of ``target``. A worker's failure is raised where no restart can get past it (a ConfigError)
     or none is left (``last``); a timeout raises in ``_wait``."""
     with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
         full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
@@ -145,9 +151,10 @@ def _launch_once(
         failed = (lambda: any(errors.glob("rank-*.json"))) if report_errors else (lambda: False)
         completed = _wait(command, full_env, timeout_s, capture, poll, failed, f"{target} on {nproc} ranks")
         if completed.returncode != 0 and report_errors:
-            report = worker_error(errors)
-            if report is not None and (last or not report[1]):
-                raise HetDPError(report[0])
+            failure = first_failure(errors)
+            if failure is not None and (last or not failure.retry):
+                raise WorkerError(failure.message, rank=failure.rank, exit_code=failure.exit_code,
+                                  output=completed.stdout)
         return completed
 
 
@@ -260,34 +267,97 @@ class EventReader:
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
-def report_error(error: HetDPError) -> bool:
-    """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
+@dataclass(frozen=True)
+class Failure:
+    """The first failure the workers of a launch reported."""
+
+    message: str
+    """One line: what the worker raised, and which rank (or ranks, that raised the same)."""
+    rank: int
+    exit_code: int
+    retry: bool
+    """Whether a restart may get past it (not a ConfigError)."""
+
+
+def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = False, first: bool = False,
+            consequence: bool = False, rank: int | None = None) -> bool:
+    """Leave ``rank``'s (default: this rank's) failure in ``$HETDP_ERRORS`` for the launcher; False if no launcher
+    asked for it. ``names_rank``: the message already says which rank failed (else the launcher adds the ranks that
+    reported it); ``first``: this rank told its traceback, and the launcher's line names it whatever the reports'
+    order; ``consequence``: a peer's failure caused it, and any other report tells the story better."""
     folder = os.environ.get(ENV_ERRORS)
     if not folder:
         return False
-    rank = int(os.environ.get("RANK", "0"))
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    report = {"rank": rank, "message": text, "time": time.time(), "retry": not isinstance(error, ConfigError)}
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    report = {"rank": rank, "message": message, "time": time.time(), "retry": retry, "exit_code": exit_code,
+              "names_rank": names_rank, "first": first, "consequence": consequence}
     temporary = Path(folder) / f".rank-{rank}.tmp"
     temporary.write_text(json.dumps(report), encoding="utf-8")
     temporary.replace(Path(folder) / f"rank-{rank}.json")  # whole or absent, never half-written
     return True
 
 
-def worker_error(folder: Path) -> tuple[str, bool] | None:
-    """The first worker error reported in ``folder``, with the ranks that reported it, and whether a restart may
-    get past it (not a ConfigError); None if there is none."""
-    reports = sorted((json.loads(path.read_text()) for path in folder.glob("rank-*.json")), key=lambda r: r["time"])
+def report_error(error: HetDPError) -> bool:
+    """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return _report(text, exit_code=2, retry=not isinstance(error, ConfigError))
+
+
+def _reported(folder: Path) -> list[dict[str, Any]]:
+    reports = (json.loads(path.read_text()) for path in folder.glob("rank-*.json"))
+    return sorted(reports, key=lambda report: (report["consequence"], not report["first"], report["time"]))
+
+
+def first_failure(folder: Path) -> Failure | None:
+    """The first failure reported in ``folder`` (with every rank that reported the same), or None."""
+    reports = _reported(folder)
     if not reports:
         return None
-    message = reports[0]["message"]
-    ranks = sorted(report["rank"] for report in reports if report["message"] == message)
-    retry = all(report.get("retry", False) for report in reports)
-    return f"{message} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})", retry
+    first = reports[0]
+    ranks = sorted(report["rank"] for report in reports if report["message"] == first["message"])
+    message = first["message"] if first["names_rank"] else (
+        f"{first['message']} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
+    return Failure(message, rank=first["rank"], exit_code=first["exit_code"],
+                   retry=all(report["retry"] for report in reports))
+
+
+def _others_stopped() -> str:
+    """What a worker's failure did to the rest of the launch, as its report's message ends."""
+    return "; the other ranks were stopped" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
+def _fail(error: BaseException, exit_code: int) -> None:
+    """Report a worker's exception and exit with ``exit_code``. Its traceback (from the script's own frames) is
+    printed by the first rank that fails only, and never for a collective that a failed peer broke off: a rank
+    stopped by a peer's failure adds nothing to the story."""
+    from hetdp.runtime import is_peer_failure
+
+    text = str(error).splitlines()[0] if str(error) else ""
+    consequence = is_peer_failure(error)  # a collective of the script's own that a failed peer broke off
+    first = not consequence and _first_to_fail()
+    _report(f"rank {os.environ.get('RANK', '0')} failed with {type(error).__name__}{': ' if text else ''}{text}"
+            f"{_others_stopped()}", exit_code=exit_code, retry=True, names_rank=True, first=first,
+            consequence=consequence)
+    if first:
+        trace = error.__traceback__
+        while trace is not None and trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            trace = trace.tb_next  # the launcher's own frames: the user's traceback starts at their script
+        traceback.print_exception(type(error), error, trace, file=sys.stderr)
+        sys.stderr.flush()
+    sys.exit(exit_code)
+
+
+def _first_to_fail() -> bool:
+    """Whether this rank is the launch's first to fail with a traceback (an atomic claim, one rank wins)."""
+    try:
+        os.close(os.open(Path(os.environ[ENV_ERRORS]) / "traceback", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return not any(Path(os.environ[ENV_ERRORS]).glob("rank-*.json"))
 
 
 def _worker(argv: list[str]) -> None:
-    """Run a script (``PATH ARGS``) or a module (``-m NAME ARGS``) as ``python`` would, reporting a HetDPError."""
+    """Run a script (``PATH ARGS``) or a module (``-m NAME ARGS``) as ``python`` would, reporting its failure."""
     module = argv[0] == "-m"
     target, rest = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *rest]
@@ -301,19 +371,66 @@ def _worker(argv: list[str]) -> None:
         if not report_error(error):
             raise
         sys.exit(2)
+    except SystemExit as error:
+        if error.code not in (0, None):
+            _report(f"rank {os.environ.get('RANK', '0')} exited with {error.code!r}{_others_stopped()}",
+                    exit_code=error.code if isinstance(error.code, int) else 1, retry=True, names_rank=True)
+        else:
+            _warn_if_settings_unused()
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        if not os.environ.get(ENV_ERRORS):
+            raise
+        _fail(error, 1)
+    _warn_if_settings_unused()
+
+
+def _warn_if_settings_unused() -> None:
+    """On rank 0 of a launch whose emulation, allocation or synchronization settings no step of a ``hetdp.DDP``
+    used (a plain torch DDP script, or an allocated loader never iterated), say so in one line."""
+    from hetdp.allocate.policy import ENV_ALLOCATION
+    from hetdp.cluster.emulate import Emulation
+    from hetdp.sync.policy import ENV_SYNC
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    chosen = [name for name, is_set in (("emulation", Emulation.from_env().active),
+                                        ("--allocation", bool(os.environ.get(ENV_ALLOCATION))),
+                                        ("--sync", bool(os.environ.get(ENV_SYNC)))) if is_set]
+    ddp = sys.modules.get("hetdp.train.ddp")
+    if chosen and (ddp is None or ddp.DistributedDataParallel.steps_in_process == 0):
+        print(f"hetdp: warning: the {' and '.join(chosen)} settings did nothing: no step ran through hetdp.DDP's "
+              "allocated loader (a plain torch DDP script? model.allocate(loader)'s result not iterated?)",
+              file=sys.stderr, flush=True)
 
 
 def _torchrun(argv: list[str]) -> None:
-    """torchrun, minus its failure summary when a worker reported a HetDPError: the launcher prints that instead."""
+    """torchrun, minus its logs and failure summary when a worker fails: the worker's report says it in one line,
+    and a worker that died without one (killed, crashed) gets a report here, from torchrun's first observed
+    failure."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # "Sending process ... closing signal", "failed"
     try:
         main(argv)
-    except ChildFailedError:
-        if not any(Path(os.environ[ENV_ERRORS]).glob("rank-*.json")):
-            raise
-        sys.exit(2)
+    except ChildFailedError as error:
+        folder = Path(os.environ[ENV_ERRORS])
+        reported = _reported(folder)
+        rank, failure = error.get_first_failure()
+        if not reported or (reported[0]["consequence"] and failure.exitcode < 0):
+            # died without a word (killed, crashed): torchrun's first observed failure tells it
+            died = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            stopped = "; the other ranks were stopped" if len(error.failures) > 1 else ""
+            exit_code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+            _report(f"rank {rank} died ({died}){stopped}", exit_code=exit_code, retry=True, names_rank=True,
+                    rank=rank)
+            reported = _reported(folder)
+        sys.exit(reported[0]["exit_code"])
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Small reference models used by the demo, the examples and the benchmarks."""
+"""Small reference models used by the demo, the examples and the benchmarks, and how they are scored."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 
 class ConvNet(nn.Module):
@@ -23,3 +24,17 @@ class ConvNet(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images).flatten(1))
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024) -> float:
+    """Fraction of ``dataset`` that ``model`` classifies correctly (evaluated locally, no collective)."""
+    model.eval()
+    device = next(model.parameters()).device
+    inputs, targets = dataset.tensors
+    correct = 0
+    for start in range(0, len(inputs), batch_size):
+        logits = model(inputs[start : start + batch_size].to(device))
+        correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
+    model.train()
+    return correct / max(len(inputs), 1)

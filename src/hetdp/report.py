@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -10,21 +11,35 @@ from typing import Any, Self
 from tqdm import tqdm
 
 
-def format_value(value: Any) -> str:
-    """Render one table cell: floats to 4 significant digits, sequences comma-joined."""
+def decimals_for(values: Sequence[Any]) -> int:
+    """The decimals that show a column's floats alike: four significant digits of its largest (at most four
+    decimals, never an exponent), so that one column never mixes 2.93, 2.966 and 6.269e+05."""
+    floats = [abs(number) for number in _numbers(values) if isinstance(number, float) and math.isfinite(number)]
+    largest = max(floats, default=0.0)
+    return 3 if largest == 0 else min(4, max(0, 3 - math.floor(math.log10(largest))))
+
+
+def _numbers(values: Sequence[Any]) -> list[Any]:
+    return [item for value in values for item in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def format_value(value: Any, decimals: int = 3) -> str:
+    """Render one table cell: floats to ``decimals`` places, sequences comma-joined."""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.{decimals}f}"
     if isinstance(value, (list, tuple)):
-        return ",".join(format_value(item) for item in value)
+        return ",".join(format_value(item, decimals) for item in value)
     return str(value)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str | None = None) -> str:
-    """Align ``rows`` (dicts) under ``columns`` (default: the first row's keys) as monospace text."""
+    """Align ``rows`` (dicts) under ``columns`` (default: the first row's keys) as monospace text, each column's
+    floats to the same decimals."""
     if not rows:
         return title or ""
     columns = list(columns or rows[0].keys())
-    cells = [[format_value(row.get(column, "")) for column in columns] for row in rows]
+    decimals = [decimals_for([row.get(column) for row in rows]) for column in columns]
+    cells = [[format_value(row.get(column, ""), places) for column, places in zip(columns, decimals)] for row in rows]
     widths = [max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)]
     lines = [title] if title else []
     lines.append("  ".join(column.rjust(width) for column, width in zip(columns, widths)))
@@ -49,9 +64,12 @@ class StreamingTable:
         self.title = title
         self._least = widths or {}
         self._widths: list[int] | None = None
+        self._decimals: list[int] | None = None
 
     def format(self, row: dict[str, Any]) -> str:
-        cells = [format_value(row.get(column, "")) for column in self.columns]
+        if self._decimals is None:  # the first row sets each column's decimals, as it sets the widths
+            self._decimals = [decimals_for([row.get(column)]) for column in self.columns]
+        cells = [format_value(row.get(column, ""), places) for column, places in zip(self.columns, self._decimals)]
         lines = []
         if self._widths is None:
             self._widths = [

@@ -12,7 +12,7 @@ from torch import nn
 
 from hetdp.sync.averaging import merge_weights
 from hetdp.train.distribute import partition
-from hetdp.train.local import epoch_order, weighted_average
+from hetdp.train.cadp import epoch_order
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402
@@ -48,6 +48,12 @@ def test_each_device_receives_exactly_its_planned_disjoint_samples(out, transpor
         assert torch.equal(received_labels, labels[held["indices"]])
         seen += received_ids.tolist()
     assert sorted(seen) == list(range(SIZE))  # disjoint and complete
+
+
+def weighted_average(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_i weights[i] * tensors[i], computed in float64: the value the distributed merge must give."""
+    total = sum(float(w) * t.detach().double() for w, t in zip(weights, tensors, strict=True))
+    return total.to(tensors[0].dtype)
 
 
 def assert_weighted_average(path, models, weights, *, atol, rank):

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from hetdp.errors import HetDPError
+from hetdp.errors import HetDPError, WorkerError
 from hetdp.launch import run_local
 
 from .conftest import WORKERS
@@ -73,8 +73,8 @@ def test_a_killed_or_hung_worker_is_restarted_and_ends_where_an_uninterrupted_ru
 
 
 def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once(tmp_path):
-    first, _ = launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive")
-    assert first.returncode != 0
+    with pytest.raises(WorkerError, match=r"^rank 1 died \(signal SIGKILL\); the other ranks were stopped$"):
+        launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive")
     second, out = launch(tmp_path, 2, "resize", "--allocation", "adaptive")
     assert second.returncode == 0, second.stdout
     assert "resumed on 2" in second.stdout or out.exists()

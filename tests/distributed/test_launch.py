@@ -1,5 +1,6 @@
-"""Launched workers report back: rank 0's events reach the launcher as they come, and a HetDPError ends the
-launch in one line (exit code 2) instead of a traceback per rank."""
+"""Launched workers report back: rank 0's events reach the launcher as they come, and a failure is one story: a
+HetDPError ends the launch in one line (exit code 2); any other exception in its rank's traceback, printed once, then
+one line naming the rank, with its exit code; never a traceback per rank or torchrun's summary."""
 
 import re
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hetdp.errors import HetDPError
+from hetdp.errors import HetDPError, WorkerError
 from hetdp.launch import run_local
 
 EVENTS_SCRIPT = """
@@ -89,11 +90,61 @@ def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script):
                         r"\((rank 0|rank 1|ranks 0, 1)\)", completed.stderr.splitlines()[-1])
 
 
-def test_a_bug_in_a_worker_keeps_its_traceback(script):
+FAILING_RANK_SCRIPT = """
+    import sys
+    import torch
+    import torch.distributed as dist
+
+    import hetdp
+
+    hetdp.init_distributed()
+    if dist.get_rank() == 1:
+        {failure}
+    dist.all_reduce(torch.ones(1))                   # the others wait for rank 1 in a collective
+"""
+
+
+def hetdp_run(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetdp.cli", "run", *map(str, args)], capture_output=True, text=True,
+                          timeout=240, check=False)
+
+
+def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code(script):
+    path = script(FAILING_RANK_SCRIPT.replace("{failure}", "raise ValueError('boom')"))
+    completed = hetdp_run("-n", 3, path)
+    output = completed.stderr + completed.stdout
+    assert completed.returncode == 1
+    assert output.count("Traceback") == 1 and "ValueError: boom" in output
+    assert str(path) in output and "hetdp/launch.py" not in output and "runpy" not in output
+    assert "ChildFailedError" not in output and "elastic" not in output and "SIGTERM" not in output
+    assert completed.stderr.splitlines()[-1] == (
+        "hetdp run: error: rank 1 failed with ValueError: boom; the other ranks were stopped")
+
+
+def test_a_rank_that_exits_with_a_code_ends_the_launch_with_it_in_one_line(script):
+    path = script(FAILING_RANK_SCRIPT.replace("{failure}", "sys.exit(3)"))
+    completed = hetdp_run("-n", 2, path)
+    assert completed.returncode == 3
+    assert "Traceback" not in completed.stderr + completed.stdout
+    assert completed.stderr.splitlines()[-1] == "hetdp run: error: rank 1 exited with 3; the other ranks were stopped"
+
+
+def test_a_rank_killed_by_a_signal_is_one_line_naming_it(script):
+    path = script(FAILING_RANK_SCRIPT.replace("{failure}", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    completed = hetdp_run("-n", 2, path)
+    assert completed.returncode == 128 + 9
+    assert "Traceback" not in completed.stderr + completed.stdout and "elastic" not in completed.stderr
+    assert completed.stderr.splitlines()[-1] == (
+        "hetdp run: error: rank 1 died (signal SIGKILL); the other ranks were stopped")
+
+
+def test_a_bug_in_a_worker_is_raised_once_with_its_rank_and_traceback(script):
     path = script("raise RuntimeError('a bug')\n")
-    completed = run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
-    assert completed.returncode != 0
-    assert "Traceback" in completed.stdout and "RuntimeError: a bug" in completed.stdout
+    with pytest.raises(WorkerError, match=r"^rank [01] failed with RuntimeError: a bug; the other ranks were stopped$"
+                       ) as caught:
+        run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+    assert caught.value.exit_code == 1
+    assert caught.value.output.count("Traceback") == 1  # both ranks raised it: the first to fail tells it
 
 
 @pytest.mark.parametrize("report_errors", [False, True])

@@ -8,13 +8,72 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "allocation_train.py"
 
 
 def test_hetdp_run_trains_the_example_and_resumes_from_its_checkpoint(tmp_path):
-    checkpoint = tmp_path / "ckpt.pt"
+    checkpoint = tmp_path / "checkpoints"
     command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--speeds", "1,3", "--sample-cost-ms", "1",
                str(EXAMPLE), "--epochs", "1", "--checkpoint", str(checkpoint)]
     first = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "epoch 0: shares" in first.stdout and checkpoint.is_file()
+    assert "epoch 0: shares" in first.stdout and any(checkpoint.glob("step-*.pt"))
     command[command.index("--epochs") + 1] = "2"
     second = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "epoch 0:" not in second.stdout and "epoch 1: shares" in second.stdout
+
+
+PLAIN_DDP_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(2, 1))
+data = TensorDataset(torch.randn(32, 2))
+for (x,) in DataLoader(data, batch_size=4, sampler=DistributedSampler(data)):
+    model(x).sum().backward()
+dist.destroy_process_group()
+"""
+
+DROPPED_ALLOCATE_SCRIPT = """
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import hetdp
+
+hetdp.init_distributed()
+data = TensorDataset(torch.randn(32, 2))
+loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data))
+with hetdp.DDP(torch.nn.Linear(2, 1)) as model:
+    {allocate}
+    for (x,) in loader:
+        model(x).sum().backward()
+"""
+
+
+def run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    return subprocess.run([sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--speeds", "1,2", "--sync",
+                           "allreduce", str(script)], capture_output=True, text=True, timeout=180, check=False)
+
+
+def test_emulation_under_a_plain_torch_ddp_script_warns_once_that_it_did_nothing(tmp_path):
+    completed = run_script(tmp_path, PLAIN_DDP_SCRIPT)
+    assert completed.returncode == 0, completed.stderr
+    unused = [line for line in completed.stderr.splitlines() if "did nothing" in line]
+    assert len(unused) == 1 and "emulation and --sync" in unused[0] and "plain torch DDP" in unused[0]
+
+
+def test_an_allocated_loader_left_unused_warns_once_what_the_model_does_instead(tmp_path):
+    completed = run_script(tmp_path, DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "model.allocate(loader)"))
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.count("hetdp.DDP: a training forward outside any step") == 1  # rank 0's, once
+    assert "averages the ranks' gradients as plain DDP does" in completed.stderr
+    assert len([line for line in completed.stderr.splitlines() if "did nothing" in line]) == 1
+
+
+def test_an_allocated_loader_in_use_warns_of_nothing(tmp_path):
+    body = DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "loader = model.allocate(loader)")
+    completed = run_script(tmp_path, body)
+    assert completed.returncode == 0, completed.stderr
+    assert "did nothing" not in completed.stderr and "outside any step" not in completed.stderr

@@ -29,11 +29,11 @@ from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import DATASETS, Split, load_dataset
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
-from hetdp.models import ConvNet
+from hetdp.models import ConvNet, accuracy
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 from hetdp.train import ddp as hetdp_ddp
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig, accuracy
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 DEFAULT_SPEEDS = "1,1,2,4"
 

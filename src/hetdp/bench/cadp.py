@@ -4,8 +4,10 @@ GPU-like and CPU-like devices (batch times 10x apart) sit behind links from
 1 Gb/s to 50 Mb/s; each digits image is priced as a 150 KB ImageNet image on
 the wire, so delivering the data weighs as in the C-ADP paper's experiments.
 All three methods run in one torchrun launch, one after the other, from the
-same initial model; every compute and transfer is paced by the emulation, so
-the measured times can be set against the cost model's predictions.
+same initial model, each through the drop-in (``hetdp.DDP`` with ``"local"``
+or ``"allreduce"``, fed each rank's own delivered data); every compute and
+transfer is paced by the emulation, so the measured times can be set against
+the cost model's predictions.
 """
 
 from __future__ import annotations
@@ -183,9 +185,8 @@ def _worker(folder: Path) -> None:
     import torch.distributed as dist
 
     from hetdp.datasets import load_digits
-    from hetdp.models import ConvNet
+    from hetdp.models import ConvNet, accuracy
     from hetdp.runtime import init_distributed
-    from hetdp.train.allocation import accuracy
     from hetdp.train.cadp import CadpConfig, train_cadp
 
     rank, _ = init_distributed()

@@ -56,11 +56,10 @@ from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import Split, load_digits
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
-from hetdp.models import ConvNet
+from hetdp.models import ConvNet, accuracy
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 from hetdp.sync.policy import Partial, sync_policy
-from hetdp.train.allocation import accuracy
 from hetdp.train.ddp import DistributedDataParallel
 
 DEFAULT_SPEEDS = "1,1,2,4"

@@ -5,11 +5,11 @@ A one-layer model learns y = a . x + noise (8192 dimensions, 32,768 training
 points, a global batch of 2,048 over 8 processes). At every step one process,
 drawn at random (the same draw on every rank), sleeps 200, 300 or 400 ms before
 computing; compute itself is padded to a fixed time per step so that ranks
-sharing two cores still compute at equal speed. Synchronous SGD (an allreduce
-of the gradients each step) runs against EagerSGD with solo and majority
-partial allreduce. Every mode does the same work: synchronous SGD its epochs,
-EagerSGD until the group has summed as many gradients. One launch measures
-every mode and delay.
+sharing two cores still compute at equal speed. Every mode is the drop-in,
+``hetdp.DDP(model, "equal", sync)``, over the same steps: synchronous SGD
+(``"allreduce"``) against eager-SGD's solo and majority partial allreduce
+(``"solo"``, ``"majority"``); the drop-in's emulation draws the stragglers and
+pads the compute. One launch measures every mode and delay.
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -38,9 +38,11 @@ from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.eager import EagerSGD
+from hetdp.train.ddp import DistributedDataParallel
 
 MODES = ("sync", "solo", "majority")
+SYNC = {"sync": "allreduce", "solo": "solo", "majority": "majority"}
+"""The drop-in's synchronization of each mode."""
 PAPER = {"speedup_solo": {"200": 1.50, "300": 1.75, "400": 2.01}, "steps_per_s_solo_200": 1.64,
          "steps_per_s_majority_200": 1.37}
 """Section 7.2.1 of the paper: 8 P100 nodes, eager-SGD (solo) over Deep500's synchronous SGD."""
@@ -98,7 +100,7 @@ def _key(delay: float) -> str:
 def summarize(raw: dict[str, Any], size: dict[str, Any], nproc: int, compute_ms: float) -> dict[str, Any]:
     runs = raw["runs"]
     delays = sorted({run_["delay_ms"] for run_ in runs})
-    table = {(run_["mode"], run_["delay_ms"]): run_ for run_ in runs if run_["catch_up"]}
+    table = {(run_["mode"], run_["delay_ms"]): run_ for run_ in runs}
     steps_per_s = {mode: {_key(d): table[mode, d]["steps_per_s"] for d in delays} for mode in MODES}
     val_mse = {mode: {_key(d): table[mode, d]["val_mse"] for d in delays} for mode in MODES}
     eager_runs = [run_ for run_ in runs if run_["mode"] != "sync"]
@@ -111,9 +113,7 @@ def summarize(raw: dict[str, Any], size: dict[str, Any], nproc: int, compute_ms:
         "val_mse": val_mse,
         "val_mse_vs_sync": {mode: {k: val_mse[mode][k] / val_mse["sync"][k] for k in val_mse["sync"]}
                             for mode in MODES[1:]},
-        "max_param_divergence": max(run_["divergence"] for run_ in eager_runs if run_["catch_up"]),
-        "max_param_divergence_no_catch_up": max((run_["divergence"] for run_ in eager_runs if not run_["catch_up"]),
-                                                default=None),
+        "max_param_divergence": max(run_["divergence"] for run_ in eager_runs),
         "rounds": {mode: {_key(d): table[mode, d]["rounds"] for d in delays} for mode in MODES},
         "settings": {**size, "compute_ms": compute_ms, "noise_sd": raw["noise_sd"],
                      "note": "quick: a smaller problem than the paper's" if size["dim"] < 8192 else "paper size"},
@@ -139,9 +139,8 @@ def render(result: dict[str, Any]) -> str:
     title = (f"hyperplane regression, {s['dim']} dims, {s['train']} points, batch {s['batch']} over "
              f"{result['nproc']} processes, {s['epochs']} epochs, compute {s['compute_ms']:g} ms/step")
     lines = [format_table(rows, title=title)]
-    lines.append(f"largest parameter gap between replicas: {result['max_param_divergence']:.3g} (EagerSGD catch-up)"
-                 + ("" if result["max_param_divergence_no_catch_up"] is None else
-                    f", {result['max_param_divergence_no_catch_up']:.3g} applying only the latest round (the paper)"))
+    lines.append(f"largest parameter gap between replicas at the end: {result['max_param_divergence']:.3g} (solo and "
+                 "majority: every rank applies every round, and the ranks meet at the end)")
     lines.append("paper speedup of solo over synch-SGD: "
                  + ", ".join(f"{v}x at {k} ms" for k, v in result["paper"]["speedup_solo"].items()))
     return "\n".join(lines)
@@ -161,7 +160,8 @@ def _shard(seed: int, tag: int, rows: int, coefficients: torch.Tensor) -> tuple[
 
 
 def synchronous_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The baseline: average the gradients with one allreduce (every rank waits for every other), then step."""
+    """Synchronous SGD by hand (``hetdp bench imbalance``'s baseline): average the gradients with one allreduce
+    (every rank waits for every other), then step."""
     params = [p for p in model.parameters() if p.grad is not None]
     flat = parameters_to_vector([p.grad for p in params])
     dist.all_reduce(flat)
@@ -180,47 +180,47 @@ def _batches(size: int, local_batch: int, seed: int, rank: int) -> Iterator[torc
         yield from order[: size // local_batch * local_batch].split(local_batch)
 
 
-def _train(args: argparse.Namespace, mode: str, delay_ms: float, catch_up: bool,
-           data: tuple[torch.Tensor, torch.Tensor], progress: tqdm) -> dict[str, Any]:
+def _train(args: argparse.Namespace, mode: str, delay_ms: float, data: tuple[torch.Tensor, torch.Tensor],
+           progress: tqdm) -> dict[str, Any]:
+    """One run of ``mode`` through the drop-in: every rank runs the same steps on its own shard's batches."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_batch = args.batch // world_size
     emulation = Emulation(sample_cost_ms=args.compute_ms / local_batch, straggler_count=1,
                           straggler_delay_ms=delay_ms, seed=args.seed)
-    model = nn.Linear(args.dim, 1)
-    nn.init.zeros_(model.weight)
-    nn.init.zeros_(model.bias)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    eager = None if mode == "sync" else EagerSGD(optimizer, model, mode=mode, catch_up=catch_up)
+    net = nn.Linear(args.dim, 1)
+    nn.init.zeros_(net.weight)
+    nn.init.zeros_(net.bias)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
+    rounds = [0]
+    optimizer.register_step_post_hook(lambda *_: rounds.__setitem__(0, rounds[0] + 1))  # once per round applied
+    model = DistributedDataParallel(net, "equal", SYNC[mode], emulation=emulation)
     inputs, targets = data
-    steps_per_epoch = inputs.shape[0] // local_batch
-    budget = args.epochs * steps_per_epoch * world_size  # the gradients synchronous SGD computes
+    steps = args.epochs * (inputs.shape[0] // local_batch)
     dist.barrier()
     started = time.perf_counter()
-    step = 0
-    for batch in _batches(inputs.shape[0], local_batch, args.seed, rank):
-        # Synchronous SGD runs its epochs; EagerSGD runs until the group has summed as many gradients, so every
-        # rank keeps contributing to the end instead of the last few pulling the model toward their own shards.
-        if (eager.gradients if eager is not None else step * world_size) >= budget:
-            break
-        time.sleep(emulation.straggler_delay_s(step, rank, world_size))
-        with emulation.compute(rank, local_batch):
-            (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
-            nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
-        if eager is None:
-            synchronous_step(model, optimizer)
-        else:
-            eager.step()
-        step += 1
+    for batch in itertools.islice(_batches(inputs.shape[0], local_batch, args.seed, rank), steps):
+        model.begin_step(local_batch, local_batch * world_size)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs[batch]), targets[batch]).backward()
+        optimizer.step()
+        model.end_step()
         progress.update()
-    if eager is not None:
-        eager.close()
+    model.end_epoch()  # the ranks meet: partial synchronization flushes the rounds in flight and averages
     wall_s = time.perf_counter() - started
-    divergence = eager.divergence() if eager is not None else 0.0
-    gradients = eager.gradients if eager is not None else step * world_size
-    # "steps": the group's gradients per rank, so that steps per second compare the work done, mode to mode
-    return {"mode": mode, "delay_ms": delay_ms, "catch_up": catch_up, "steps": gradients / world_size,
-            "local_steps": step, "wall_s": wall_s, "steps_per_s": gradients / world_size / wall_s,
-            "rounds": eager.rounds if eager is not None else step, "divergence": divergence, "model": model}
+    divergence = _divergence(net)
+    model.close()
+    return {"mode": mode, "delay_ms": delay_ms, "steps": steps, "wall_s": wall_s, "steps_per_s": steps / wall_s,
+            "rounds": rounds[0], "divergence": divergence, "model": net}
+
+
+def _divergence(model: nn.Module) -> float:
+    """The largest absolute difference between a parameter here and on rank 0, over all ranks (collective)."""
+    flat = parameters_to_vector(model.parameters()).detach().double()
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    gap = (flat - reference).abs().max().reshape(1)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return float(gap.item())
 
 
 def _worker(argv: list[str]) -> None:
@@ -239,14 +239,14 @@ def _worker(argv: list[str]) -> None:
     data = _shard(args.seed, 1 + rank, args.train // world_size, coefficients)
     validation = _shard(args.seed, 0, 4096, coefficients) if rank == 0 else None
     delays = parse_delays(args.delays_ms)
-    plan = [(mode, delay, True) for delay in delays for mode in MODES] + [("solo", delays[0], False)]
+    plan = [(mode, delay) for delay in delays for mode in MODES]
     steps = args.epochs * (args.train // args.batch)
     progress = tqdm(total=len(plan) * steps, desc="eager runs", unit="step", disable=None if rank == 0 else True,
                     file=sys.stderr)
     runs = []
-    for mode, delay, catch_up in plan:
-        progress.set_postfix(mode=mode, delay_ms=f"{delay:g}", catch_up=catch_up)
-        record = _train(args, mode, delay, catch_up, data, progress)
+    for mode, delay in plan:
+        progress.set_postfix(mode=mode, delay_ms=f"{delay:g}")
+        record = _train(args, mode, delay, data, progress)
         model = record.pop("model")
         if validation is not None:
             with torch.no_grad():

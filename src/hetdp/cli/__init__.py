@@ -1,7 +1,7 @@
 """The ``hetdp`` command line: one module per sub-command, each exposing ``register(subparsers)``.
 
-A ``HetDPError`` becomes one line on stderr and exit code 2; anything else is a
-bug and keeps its traceback.
+A ``HetDPError`` becomes one line on stderr and exit code 2 (a launched worker's
+failure: that worker's exit code); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from hetdp.errors import HetDPError
+from hetdp.errors import HetDPError, WorkerError
 
 COMMANDS = ("demo", "run", "plan", "probe", "bench", "simulate")
 """Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
@@ -71,4 +71,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         command = " ".join(name for name in (args.command, getattr(args, "benchmark", None)) if name)
         print(f"hetdp {command}: error: {first_line}", file=sys.stderr)
-        return 2
+        return error.exit_code if isinstance(error, WorkerError) else 2

@@ -12,7 +12,7 @@ from hetdp.cli.run import positive_int
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
-from hetdp.report import format_table
+from hetdp.report import decimals_for, format_table
 
 DEFAULT_EPOCHS = 10
 
@@ -78,11 +78,12 @@ def render(result: Plan, equal: Plan) -> str:
               "send_s: seconds to receive the samples (eq. 2); compute_s: seconds of computation per epoch (eq. 5); "
               "comm_s: seconds of parameter exchange per epoch (eq. 6); epoch_s = compute_s + comm_s")
     lines = [format_table(rows, title=title), legend, ""]
-    lines.append(f"T_send  {result.send_s:10.4g} s   (once: the slowest device's data transfer, eq. 2)")
-    lines.append(f"epoch   {result.epoch_s:10.4g} s   (slowest device's compute + merge, eqs. 5-6)")
-    lines.append(f"T_total {result.total_s:10.4g} s   (T_send + {result.epochs} epochs, eq. 7)")
+    places = decimals_for([result.send_s, result.epoch_s, result.total_s, equal.total_s])
+    lines.append(f"T_send  {result.send_s:12.{places}f} s   (once: the slowest device's data transfer, eq. 2)")
+    lines.append(f"epoch   {result.epoch_s:12.{places}f} s   (slowest device's compute + merge, eqs. 5-6)")
+    lines.append(f"T_total {result.total_s:12.{places}f} s   (T_send + {result.epochs} epochs, eq. 7)")
     gap = "proved optimal" if result.gap == 0 else f"gap {100 * result.gap:.3g}% to the exact optimum's bound"
     lines.append(f"solver  {result.method}: {gap}")
     saving = 100.0 * (1.0 - result.total_s / equal.total_s) if equal.total_s > 0 else 0.0
-    lines.append(f"equal split: T_total {equal.total_s:.4g} s; this plan takes {saving:.1f}% less")
+    lines.append(f"equal split: T_total {equal.total_s:.{places}f} s; this plan takes {saving:.1f}% less")
     return "\n".join(lines)

@@ -316,10 +316,6 @@ class Link:
         """Seconds to move ``nbytes`` over this link."""
         return self.latency_ms / 1000.0 + nbytes * 8.0 / (self.bandwidth_mbps * 1e6)
 
-    def throttle(self, nbytes: float, measured_s: float) -> None:
-        """Sleep so that a transfer that really took ``measured_s`` lasts as long as on this link."""
-        sleep(self.transfer_s(nbytes) - measured_s)
-
 
 def _devices_from_json(text: str) -> tuple[DeviceModel, ...]:
     """Device models from ``to_env``'s JSON."""

@@ -1,5 +1,13 @@
 """Synchronous data-parallel training where ranks compute unequal shares of every step, in a loop hetdp owns.
 
+Deprecated: ``hetdp.AllocatedTrainer`` and ``hetdp.AllocationConfig`` warn and go in
+the next release. The same training is the drop-in in the user's own loop:
+``hetdp.DDP(model, allocation)``, ``model.allocate(loader, accumulates=True)``
+with the share run as micro-batches under ``no_sync``, and
+``model.checkpointer(folder, optimizer)`` (examples/allocation_train.py). This
+module keeps the trainer working until then (``hetdp bench allocation`` and
+``hetdp bench devices`` still run it).
+
 Task-allocation paper: rank i computes ``shares[i]`` samples per step (as several
 accumulated micro-batches, or one batch), then one allreduce combines them. The
 shares are equal, static or re-planned from measured compute times.
@@ -33,7 +41,7 @@ from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
 from hetdp.train.ddp import DistributedDataParallel
 from hetdp.train.metrics import EpochReport, diagnose_straggler
 
-__all__ = ["AllocatedTrainer", "AllocationConfig", "EpochReport", "accuracy", "diagnose_straggler"]
+__all__ = ["AllocatedTrainer", "AllocationConfig", "EpochReport", "diagnose_straggler"]
 
 log = logging.getLogger(__name__)
 
@@ -339,16 +347,3 @@ def _comparable(value: Any) -> Any:
     """Tuples and lists compare alike (a checkpoint's config went through pickling as saved)."""
     return list(value) if isinstance(value, tuple) else value
 
-
-@torch.no_grad()
-def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024) -> float:
-    """Fraction of ``dataset`` that ``model`` classifies correctly (evaluated locally, no collective)."""
-    model.eval()
-    device = next(model.parameters()).device
-    inputs, targets = dataset.tensors
-    correct = 0
-    for start in range(0, len(inputs), batch_size):
-        logits = model(inputs[start : start + batch_size].to(device))
-        correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
-    model.train()
-    return correct / max(len(inputs), 1)

@@ -1,10 +1,18 @@
 """C-ADP training: the data owner plans and delivers each device's data once, devices train locally, models merge.
 
 C-ADP paper, section 3: rank 0, the data owner and parameter server, chooses
-D_1..D_N (eq. 7, :func:`hetdp.plan`), sends device i its D_i samples, and every
-epoch each device trains on its own samples with its own batch size before the
-models merge as w = sum_i (D_i / D) w_i. The run reports the paper's T_send,
-T_train and T_total beside the plan's prediction.
+D_1..D_N (eq. 7, :func:`hetdp.plan`), sends device i its D_i samples
+(:func:`hetdp.distribute`), and every epoch each device trains on its own
+samples with its own batch size before the models merge as w = sum_i (D_i / D) w_i.
+The training is the drop-in's: ``hetdp.DDP(model, ..., "local")`` trains each
+rank alone and merges by that weighted average at the epoch's end (``sync="step"``:
+``"allreduce"``, DDP's gradient mean every step, the baseline). ``train_cadp``
+only plans, delivers, cuts each rank's batches of its own data, sleeps the
+emulated model transfers (the drop-in emulates compute, not links) and reports
+the paper's T_send, T_train and T_total beside the plan's prediction:
+``hetdp bench cadp`` runs it. It left the public API (``hetdp.train_cadp`` warns
+and goes in the next release): a script calls ``hetdp.plan``,
+``hetdp.distribute`` and ``hetdp.DDP`` itself (examples/cadp_train.py).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,18 +33,30 @@ from torch.utils.data import TensorDataset
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.planner import Plan, evaluate
 from hetdp.allocate.planner import plan as make_plan
-from hetdp.cluster.emulate import Link
+from hetdp.cluster.emulate import Emulation, Link, sleep
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.runtime import Timeouts, barrier, global_rank, local_device
-from hetdp.sync.averaging import broadcast_parameters, merge_weights
+from hetdp.train.ddp import DistributedDataParallel
 from hetdp.train.distribute import Transport, distribute
-from hetdp.train.local import EpochStats, GradientAllreduce, LossFn, Merge, ParameterAveraging, train_local
+from hetdp.train.metrics import EpochReport
 
 log = logging.getLogger(__name__)
 
 INDEX_BYTES = 8
 """Bytes per sample on the wire when only indices travel (int64)."""
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+REBUILD_STEPS = 2
+"""Steps every rank computes, with a stand-in if it has no batch: torch's DDP rebuilds its gradient buckets in a
+collective at a rank's second forward."""
+
+
+def epoch_order(size: int, *, seed: int, epoch: int, rank: int) -> torch.Tensor:
+    """The order in which ``rank`` visits its ``size`` local samples in ``epoch``: a permutation seeded by all three."""
+    state = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+    return torch.randperm(size, generator=torch.Generator().manual_seed(state))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,8 +74,9 @@ class CadpConfig:
     transport: Transport = "samples"
     """samples: the owner sends the samples; indices: every rank reads shared storage, only indices travel."""
     emulate: bool = False
-    """Pace every batch to its device's batch_time_s and every transfer to its link, so that one machine
-    behaves like the described cluster. Leave False on a real cluster."""
+    """Pace every batch to its device's time per sample (batch_time_s / batch_size, the drop-in's emulation) and
+    every transfer to its link, so that one machine behaves like the described cluster. Leave False on a real
+    cluster."""
     seed: int = 0
     """Seed of the data partition and of each rank's per-epoch order."""
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -81,7 +103,8 @@ class CadpResult:
     """T_send: seconds until every device held its data."""
     train_s: float
     """T_train: seconds of training, merges included, from the end of the delivery to the last merge."""
-    epochs: list[EpochStats]
+    epochs: list[EpochReport]
+    """The drop-in's report of every epoch (its ``loss`` is the mean over every rank's samples)."""
     samples: int
     """Samples this rank trained on (D_i)."""
 
@@ -105,8 +128,8 @@ class CadpResult:
             "predicted_total_s": self.plan.total_s,
             "prediction_error": self.prediction_error,
             "samples": self.plan.samples,
-            "epoch_s": [stats.seconds for stats in self.epochs],
-            "loss": [stats.loss for stats in self.epochs],
+            "epoch_s": [report.epoch_s for report in self.epochs],
+            "loss": [report.loss for report in self.epochs],
         }
 
 
@@ -119,7 +142,7 @@ def train_cadp(
     *,
     plan: Plan | None = None,
     loss_fn: LossFn = nn.functional.cross_entropy,
-    on_epoch: Callable[[EpochStats], None] | None = None,
+    on_epoch: Callable[[EpochReport], None] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> CadpResult:
     """Plan (on rank 0), deliver, train locally and merge for ``config.epochs`` epochs.
@@ -138,7 +161,7 @@ def train_cadp(
         config: allocation, merge, transport and emulation settings.
         plan: an allocation to use instead of planning (rank 0's is used everywhere).
         loss_fn: the training loss.
-        on_epoch: called on every rank after each epoch's merge.
+        on_epoch: called on every rank with each epoch's report, after its merge.
         group: the process group (None: the default group).
 
     .. warning::
@@ -150,7 +173,7 @@ def train_cadp(
         >>> hetdp.init_distributed()
         >>> cluster = hetdp.ClusterSpec.from_toml("cluster.toml")
         >>> train_set = hetdp.datasets.load_digits().train if dist.get_rank() == 0 else None
-        >>> result = hetdp.train_cadp(model, optimizer, train_set, cluster, hetdp.CadpConfig(epochs=10))
+        >>> result = train_cadp(model, optimizer, train_set, cluster, CadpConfig(epochs=10))
         >>> result.send_s, result.train_s, result.plan.total_s
 
     Raises:
@@ -169,13 +192,16 @@ def train_cadp(
     plan = _owner_plan(dataset, cluster, config, plan, group)
     counts = [0] * offset + plan.samples
     devices: list[DeviceSpec | None] = [None] * offset + list(cluster.devices)
-    device = devices[rank]
     sample_bytes = cluster.sample_bytes if config.transport == "samples" else INDEX_BYTES
     transfer_s = [_link_s(d, n * sample_bytes) if n else 0.0 for d, n in zip(devices, counts)]
 
     # Deadlines grow with the planned work, so a long but healthy delivery or epoch is never cut short.
     delivery_timeout_s = timeout_s + 2 * max(transfer_s)
     merge_timeout_s = timeout_s + 2 * plan.epoch_s
+
+    if config.sync == "step" and 0 in counts:
+        raise ConfigError(f"sync='step' needs every rank to train (a synchronous step runs on every rank); the "
+                          f"plan gives {counts} samples: give the data owner a device, or plan min_samples >= 1")
 
     model.to(local_device())
     barrier(group, timeout_s)
@@ -192,53 +218,76 @@ def train_cadp(
     barrier(group, delivery_timeout_s)
     delivered = time.perf_counter()
 
-    broadcast_parameters(model, group=group, timeout_s=merge_timeout_s)
     batch_sizes = [1] * offset + [d.batch_size for d in plan.devices]
-    merge = _merge(model, config, cluster, devices, counts, batch_sizes, rank, group, merge_timeout_s)
+    # The steps are cut here, from each rank's own data, so the model's allocation is never consulted (there is no
+    # allocate); every rank runs as many steps as the rank with the most batches (see _train_epoch).
+    ddp = DistributedDataParallel(model, "equal", "local" if config.sync == "epoch" else "allreduce",
+                                  step_timeout_s=merge_timeout_s, emulation=_emulation(devices, config.emulate),
+                                  process_group=group)
+    # The drop-in emulates compute, not links: the model's trips to and from the owner are slept here.
+    model_s = [_link_s(d, cluster.model_bytes) if config.emulate else 0.0 for d in devices]
+    trip_s, step_trip_s = (model_s[rank], 0.0) if config.sync == "epoch" else (0.0, 2 * max(model_s))
+    history = []
     try:
-        history = train_local(
-            model,
-            optimizer,
-            local.data,
-            merge,
-            batch_size=batch_sizes[rank],
-            epochs=config.epochs,
-            batch_time_s=device.feasible_batch_time_s if device else 0.0,
-            emulate=config.emulate,
-            seed=config.seed,
-            loss_fn=loss_fn,
-            on_epoch=on_epoch,
-        )
+        for epoch in range(config.epochs):
+            ddp.begin_epoch(epoch)
+            sleep(trip_s)  # the global model arrives
+            _train_epoch(ddp, optimizer, local.data, counts, batch_sizes, epoch, config.seed, loss_fn, step_trip_s)
+            sleep(trip_s)  # the local model leaves
+            history.append(ddp.end_epoch())
+            if on_epoch is not None:
+                on_epoch(history[-1])
     finally:
-        merge.close()
+        ddp.close()
     finished = time.perf_counter()
     return CadpResult(
         plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history, samples=counts[rank]
     )
 
 
-def _merge(
-    model: nn.Module,
-    config: CadpConfig,
-    cluster: ClusterSpec,
-    devices: list[DeviceSpec | None],
-    counts: list[int],
-    batch_sizes: list[int],
-    rank: int,
-    group: dist.ProcessGroup | None,
-    timeout_s: float,
-) -> Merge:
-    """The merge of ``config.sync`` for this rank, with its emulated model-transfer time (one way)."""
-    model_bytes = cluster.model_bytes
-    if config.sync == "epoch":
-        link_s = _link_s(devices[rank], model_bytes) if config.emulate else 0.0
-        return ParameterAveraging(merge_weights(counts)[rank], link_s=link_s, group=group, timeout_s=timeout_s)
-    if 0 in counts:
-        raise ConfigError(f"sync='step' needs every rank to train (a synchronous step runs on every rank); the "
-                          f"plan gives {counts} samples: give the data owner a device, or plan min_samples >= 1")
-    # A synchronous allreduce moves at the pace of its slowest link, on every rank.
-    slowest_s = max(_link_s(d, model_bytes) for d in devices) if config.emulate else 0.0
-    return GradientAllreduce(model, counts, batch_sizes, link_s=slowest_s, group=group, timeout_s=timeout_s)
+def _train_epoch(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, data: TensorDataset,
+                 counts: list[int], batch_sizes: list[int], epoch: int, seed: int, loss_fn: LossFn,
+                 step_trip_s: float) -> None:
+    """One epoch of this rank's batches of its own data, in a seeded order, as the drop-in's steps: every rank runs
+    as many as the rank with the most batches, and under per-step allreduce a rank out of batches joins a step with
+    the drop-in's stand-in, weighted 0."""
+    inputs, targets = data.tensors
+    rank = ddp.rank
+    size = batch_sizes[rank]
+    order = epoch_order(len(inputs), seed=seed, epoch=epoch, rank=rank).to(inputs.device)
+    # A stand-in's sample: this rank's first, or zeros shaped like one where it holds none (an owner that only merges).
+    stand_in = (inputs[:1], targets[:1]) if len(inputs) else (
+        inputs.new_zeros((1, *inputs.shape[1:])), targets.new_zeros((1, *targets.shape[1:])))
+    steps = max(-(-n // b) for n, b in zip(counts, batch_sizes))
+    synchronous = ddp.synchronizer.meets_every_step
+    for step in range(steps):
+        index = order[step * size : (step + 1) * size]
+        ddp.begin_step(len(index), sum(min(b, max(0, n - step * b)) for n, b in zip(counts, batch_sizes)))
+        # Under local training a rank out of batches has nothing to compute: its step only counts the others' samples
+        # towards the merge's D. It joins a rank's first two steps with a stand-in all the same: torch's DDP rebuilds
+        # its gradient buckets at a rank's second forward, in a collective.
+        if len(index) or synchronous or ddp.steps_done < REBUILD_STEPS:
+            optimizer.zero_grad()
+            batch = (inputs[index], targets[index]) if len(index) else stand_in
+            loss = loss_fn(ddp(batch[0]), batch[1])
+            loss.backward()
+            ddp.record_loss(loss)
+            # A stand-in's local gradient is zero, and stepping on it would still move a momentum optimizer.
+            if len(index) or synchronous:
+                optimizer.step()
+        ddp.end_step()
+        sleep(step_trip_s)
+
+
+def _emulation(devices: list[DeviceSpec | None], emulate: bool) -> Emulation:
+    """Each device's time per sample (batch_time_s / batch_size) as the drop-in's emulation; none without ``emulate``
+    (also not ``hetdp run``'s: the cluster file describes the devices)."""
+    if not emulate:
+        return Emulation()
+    sample_ms = [1000.0 * d.batch_time_s / d.batch_size if d is not None else None for d in devices]
+    slowest_ms = max(ms for ms in sample_ms if ms is not None)
+    return Emulation(speeds=tuple(1.0 if ms is None else slowest_ms / ms for ms in sample_ms),
+                     sample_cost_ms=slowest_ms)
 
 
 def _link_s(device: DeviceSpec | None, nbytes: float) -> float:

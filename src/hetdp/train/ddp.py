@@ -14,12 +14,13 @@ import functools
 import inspect
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from hetdp.sync.partial import PartialGradients
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy, sync_policy
 from hetdp.train.accumulation import StepAccumulation
 from hetdp.train.clock import StepClock
-from hetdp.train.loader import AllocatedLoader, StepTicket
+from hetdp.train.loader import AllocatedLoader, StepTicket, per_rank_batch
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter, StepFigures
 from hetdp.train.stepcheckpoint import Checkpointer
 
@@ -187,6 +188,9 @@ class DistributedDataParallel(TorchDDP):
         ...     print(model.last_epoch.diagnosis())                  # "rank 0 is the straggler, by compute: ..."
     """
 
+    steps_in_process: ClassVar[int] = 0
+    """Steps any ``hetdp.DDP`` opened in this process: ``hetdp run`` warns when its settings met none."""
+
     def __init__(
         self,
         module: nn.Module,
@@ -300,6 +304,7 @@ class DistributedDataParallel(TorchDDP):
         self._follows = follow is not None
         if follow is not None:
             follow._followers.append(weakref.ref(self))
+        self._warned: set[str] = set()
         self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
 
@@ -339,9 +344,11 @@ class DistributedDataParallel(TorchDDP):
         if self._follows:
             raise ConfigError("this model follows another's steps: allocate that model's loader")
         if global_batch is None:
-            if loader.batch_size is None:
-                raise ConfigError("the loader has no batch_size (a batch_sampler?): pass global_batch=")
-            global_batch = loader.batch_size * self.world_size
+            batch = per_rank_batch(loader)
+            if batch is None:
+                raise ConfigError(f"the loader batches with a {type(loader.batch_sampler).__name__}, which gives no "
+                                  "batch size: pass global_batch= (samples per step over all ranks)")
+            global_batch = batch * self.world_size
         dataset_size = len(loader.dataset) if hasattr(loader.dataset, "__len__") else None
         balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
@@ -368,15 +375,35 @@ class DistributedDataParallel(TorchDDP):
         if isinstance(max_batch, int):
             if max_batch < 1:
                 raise ConfigError(f"max_batch must be >= 1 sample, got {max_batch}")
-            caps: list[Any] = [None] * self.world_size
-            with peer_failures("exchanging the ranks' max_batch", self.step_timeout_s, self._group):
-                dist.all_gather_object(caps, max_batch, group=self._group)
-            return caps
+            return self._gather_objects(max_batch, "exchanging the ranks' max_batch")
         caps = list(max_batch)
         if len(caps) != self.world_size or any(cap is not None and cap < 1 for cap in caps):
             raise ConfigError(f"max_batch needs one cap >= 1 (or None) per rank for {self.world_size} ranks, "
                               f"got {caps}")
         return caps
+
+    def _gather_objects(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order; collective."""
+        values: list[Any] = [None] * self.world_size
+        with peer_failures(what, self.step_timeout_s, self._group):
+            dist.all_gather_object(values, value, group=self._group)
+        return values
+
+    def _rank0s(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value``, on every rank: what the ranks agree on where each drew its own; collective."""
+        return self._gather_objects(value, what)[0]
+
+    def _first_warning(self, key: str) -> bool:
+        """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""
+        if self.rank != 0 or key in self._warned:
+            return False
+        self._warned.add(key)
+        return True
+
+    @property
+    def epochs_done(self) -> int:
+        """Epochs ended: the index of the next one, which a plain shuffled loader's order follows."""
+        return self._next_epoch
 
     @property
     def shares(self) -> list[int]:
@@ -427,6 +454,7 @@ class DistributedDataParallel(TorchDDP):
         weight = ((ticket.samples, total) if ticket.weights is None  # cost-balanced: its part of the step's cost
                   else (ticket.weights[ticket.rank], sum(ticket.weights)))
         self._open = _OpenStep(ticket, total, weight)
+        DistributedDataParallel.steps_in_process += 1
         self._hook.samples, self._hook.total = weight
         self._hook.meets = self._meets_after(ticket)
         for model in self._open_followers():
@@ -444,6 +472,8 @@ class DistributedDataParallel(TorchDDP):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         step = self._open
+        if step is None and torch.is_grad_enabled() and self.module.training and not self._follows:
+            self._warn_unstepped()
         if step is not None and not step.started and torch.is_grad_enabled():
             step.started = True
             self._rebuild_buckets()
@@ -457,6 +487,13 @@ class DistributedDataParallel(TorchDDP):
                      if self.will_sync_module_buffers() else contextlib.nullcontext())
         with broadcast, _evaluating(self.module) if stand_in else contextlib.nullcontext():
             return super().forward(*inputs, **kwargs)
+
+    def _warn_unstepped(self) -> None:
+        if self._first_warning("unstepped"):
+            warnings.warn("hetdp.DDP: a training forward outside any step, so this backward averages the ranks' "
+                          "gradients as plain DDP does, and nothing is allocated, timed or emulated: iterate the "
+                          "loader that model.allocate(loader) returns (was its result dropped?), or open steps "
+                          "with model.begin_step / end_step", stacklevel=5)
 
     def _rebuild_buckets(self) -> None:
         """Let torch's DDP rebuild its gradient buckets (once, at the second step's forward) before the step's
@@ -737,6 +774,7 @@ class DistributedDataParallel(TorchDDP):
         self._pending = []
         self._since_meeting = 0
         self.resume_position = tuple(state["position"]) if state.get("position") is not None else (0, 0)
+        self._next_epoch = self.resume_position[0]
         loader = self._loader() if self._loader is not None else None
         if loader is not None and state.get("position") is not None:
             loader.sampler.resume_at(*self.resume_position)

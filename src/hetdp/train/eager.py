@@ -1,12 +1,18 @@
 """EagerSGD: an optimizer wrapper whose steps wait for a partial allreduce of the gradients, not for every rank.
 
+Deprecated: eager-SGD is the drop-in's partial synchronization,
+``hetdp.DDP(model, allocation, "majority")`` (or ``"solo"``, ``"quorum:K"``,
+``hetdp.Partial(...)``), which runs in the user's own loop, steps the loop's
+optimizer once per round and meets with a deadline. ``hetdp.EagerSGD`` warns and
+goes in the next release; this module keeps it working until then.
+
 Eager-SGD paper, Algorithm 2 and section 5: each step sums the local gradients
 with a solo / majority / quorum / full partial allreduce and updates with
 G = sum / P; a gradient that missed a round is carried to the next one. Beyond
 the paper, every rank applies every round it receives, in order, so replicas
 stay identical without the paper's periodic model synchronization. The partial
 allreduce of gradients is ``hetdp.sync.partial.PartialGradients``, the same the
-drop-in (``hetdp.DDP(..., sync="majority")``) uses.
+drop-in uses, and the periodic synchronization is ``hetdp.sync.averaging``'s.
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from hetdp.cluster.emulate import Emulation
 from hetdp.collectives.partial import PartialConfig, PartialResult
 from hetdp.collectives.protocol import Mode
 from hetdp.errors import ConfigError
-from hetdp.sync.averaging import broadcast_parameters
+from hetdp.sync.averaging import average_parameters, broadcast_parameters
 from hetdp.sync.partial import GradientRound, PartialGradients
 
 log = logging.getLogger(__name__)
@@ -197,12 +203,13 @@ class EagerSGD:
         self.sync.close(on_round=lambda gradient_round: self._receive((gradient_round,)))
 
     def synchronize(self) -> None:
-        """Average the parameters over the group (blocking; every rank must call it at the same point)."""
-        flat = parameters_to_vector(self._params).detach()
-        dist.all_reduce(flat, group=self.group)
-        flat /= self.world_size
-        with torch.no_grad():
-            vector_to_parameters(flat, self._params)
+        """Average the parameters over the group (every rank must call it at the same point).
+
+        Raises:
+            PeerTimeoutError: a rank did not join within the partial allreduce's ``timeouts.round_s``.
+        """
+        average_parameters(self.model, 1.0 / self.world_size, group=self.group,
+                           timeout_s=self.partial.config.timeouts.round_s)
         self.syncs += 1
 
     def divergence(self) -> float:

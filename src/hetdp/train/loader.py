@@ -12,8 +12,9 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,9 +81,17 @@ class StepSampler:
     """A batch sampler: per step, this rank's indices of the epoch's next ``global_batch`` samples.
 
     The epoch's order is one seeded permutation of the dataset, the same on every
-    rank (``DistributedSampler``'s: seed + epoch). Step k covers its samples
+    rank (``DistributedSampler``'s: seed + epoch), of which an epoch trains the
+    first ``epoch_size`` samples (``DistributedSampler(drop_last=True)`` drops the
+    tail that does not divide among the ranks). Step k covers its samples
     ``k * global_batch`` to ``(k + 1) * global_batch``, so the shares may change
-    between any two steps without any bookkeeping of positions. A rank whose block
+    between any two steps without any bookkeeping of positions.
+
+    The epoch is the user's: with ``epoch_source`` (their own ``DistributedSampler``),
+    ``set_epoch`` on either sampler selects it for both, so a loop that keeps its
+    sampler in a variable reshuffles as under torch. Without one (a plain shuffled
+    loader), each epoch takes the next order, as torch's ``RandomSampler`` draws a
+    new one every pass, unless ``set_epoch`` chose it. A rank whose block
     is empty gets one stand-in index, the step's first sample, so that its loop
     still has a batch to run: ``hetdp.DDP`` weighs that step 0 on it and runs its
     forward in eval mode (no BatchNorm statistics from it).
@@ -96,10 +105,18 @@ class StepSampler:
     """
 
     def __init__(self, dataset_size: int, global_batch: int, rank: int, *, shares_at: Callable[[int], list[int]],
-                 shuffle: bool, seed: int, drop_last: bool, cost: CostBalance | None = None) -> None:
+                 shuffle: bool, seed: int, drop_last: bool, cost: CostBalance | None = None,
+                 epoch_size: int | None = None, epoch_source: Any = None) -> None:
         if dataset_size < 1:
             raise ConfigError("the dataset is empty")
         self.dataset_size = dataset_size
+        self.epoch_size = dataset_size if epoch_size is None else epoch_size
+        """How many of the permutation's first samples an epoch trains."""
+        if not 1 <= self.epoch_size <= dataset_size:
+            raise ConfigError(f"an epoch of {self.epoch_size} samples from a dataset of {dataset_size}: the "
+                              "sampler drops them all (drop_last with fewer samples than ranks?)")
+        self.epoch_source = epoch_source
+        """The user's own sampler whose ``epoch`` this one follows (a ``DistributedSampler``), if any."""
         self.global_batch = global_batch
         self.rank = rank
         self.shares_at = shares_at
@@ -113,30 +130,48 @@ class StepSampler:
         self.start = 0
         """The first step of the epoch to produce (a resumed epoch skips those done)."""
         self._resume: tuple[int, int] | None = None
+        self._epoch_chosen = False
+        """Whether ``set_epoch`` was called: a plain shuffled loader's epochs then stop counting by themselves."""
         self.next_step = 0
         """The global index of the next step to produce."""
         self.tickets: collections.deque[StepTicket] = collections.deque()
 
     def resume_at(self, epoch: int, start: int) -> None:
-        """Make the next ``set_epoch(epoch)`` start at step ``start`` of it (a run resumed from a checkpoint)."""
-        self.set_epoch(epoch, start)
+        """Make the next pass over ``epoch`` start at its step ``start`` (a run resumed from a checkpoint)."""
+        self._select(epoch)
+        self._check_start(start)
+        self.start = start
         self._resume = (epoch, start)
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Select the epoch's permutation (call before each epoch, as with ``DistributedSampler``); ``start`` skips
-        the epoch's first steps (a resumed run)."""
-        if self._resume is not None:
-            if self._resume[0] == epoch and start == 0:
-                start = self._resume[1]
-            self._resume = None
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation (call before each epoch, as with ``DistributedSampler``; the user's own
+        sampler, if the loader had one, is set too)."""
+        self._select(epoch)
+        self._epoch_chosen = True
+
+    def _select(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.epoch_source is not None:
+            self.epoch_source.set_epoch(epoch)
+
+    def begin_pass(self, epochs_done: int) -> None:
+        """Settle the epoch a pass over the loader trains, before its first step is cut: the user's sampler's
+        epoch if it has one, else ``set_epoch``'s, else ``epochs_done`` (a plain shuffled loader: a new order each
+        epoch); a pending resume starts at its step if the epoch is its own."""
+        if self.epoch_source is not None:
+            self.epoch = self.epoch_source.epoch
+        elif not self._epoch_chosen:
+            self.epoch = epochs_done
+        resume, self._resume = self._resume, None
+        self.start = resume[1] if resume is not None and resume[0] == self.epoch else 0
+
+    def _check_start(self, start: int) -> None:
         if not 0 <= start <= self.steps_per_epoch:
             raise ConfigError(f"start must be a step in [0, {self.steps_per_epoch}], got {start}")
-        self.epoch = epoch
-        self.start = start
 
     @property
     def steps_per_epoch(self) -> int:
-        full, remainder = divmod(self.dataset_size, self.global_batch)
+        full, remainder = divmod(self.epoch_size, self.global_batch)
         return full + (1 if remainder and not self.drop_last else 0)
 
     def permutation(self) -> list[int]:
@@ -150,7 +185,7 @@ class StepSampler:
         order = self.permutation()
         for index in range(self.start, self.steps_per_epoch):
             first = index * self.global_batch
-            count = min(self.global_batch, self.dataset_size - first)
+            count = min(self.global_batch, self.epoch_size - first)
             shares = self.shares_at(self.next_step)
             if self.cost is not None:
                 yield self._cost_step(order[first : first + count], shares, index)
@@ -188,27 +223,50 @@ class StepSampler:
         return mine or [indices[0]]
 
 
-def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> tuple[bool, int]:
-    """The shuffle and seed the user's loader asked for, read off its sampler (or given). A loader that batches
-    with a ``batch_sampler`` of its own ignores ``loader.sampler``: its order is the batch sampler's."""
+@dataclass(frozen=True)
+class _Order:
+    """How the user's loader orders an epoch, read off its sampler (or given to ``allocate``)."""
+
+    shuffle: bool
+    seed: int | None
+    """None: a plain shuffled loader's, which the ranks draw and agree on (torch draws one per pass)."""
+    source: DistributedSampler | None
+    """The user's ``DistributedSampler``, whose epoch the allocated loader follows."""
+    drops_tail: bool
+    """Whether the sampler drops the samples that do not divide among the ranks (``drop_last`` on it)."""
+
+
+def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> _Order:
+    """The order the user's loader asked for, read off its sampler (``shuffle`` and ``seed`` override it). A loader
+    that batches with a ``batch_sampler`` of its own ignores ``loader.sampler``: its order is the batch sampler's."""
     sampler = loader.sampler
     own = _own_batch_sampler(loader)
     if own is not None:
         sampler = own.sampler if type(own) is BatchSampler else own
     if isinstance(sampler, DistributedSampler):
-        found = (sampler.shuffle, sampler.seed)
+        found = _Order(sampler.shuffle, sampler.seed, sampler, sampler.drop_last)
     elif isinstance(sampler, RandomSampler):
-        found = (True, 0)
+        found = _Order(True, None, None, False)
     elif isinstance(sampler, SequentialSampler):
-        found = (False, 0)
+        found = _Order(False, 0, None, False)
     elif shuffle is None:
         raise ConfigError(
             f"allocate() replaces the loader's sampler and cannot imitate a {type(sampler).__name__}: use a "
             f"DistributedSampler, or pass shuffle= (and seed=; cost= balances steps by length)"
         )
     else:
-        found = (shuffle, 0)
-    return (found[0] if shuffle is None else shuffle), (found[1] if seed is None else seed)
+        found = _Order(shuffle, None, None, False)
+    shuffle = found.shuffle if shuffle is None else shuffle
+    if seed is None and found.seed is None and not shuffle:
+        seed = 0  # an order that is not shuffled needs no seed
+    return replace(found, shuffle=shuffle, seed=found.seed if seed is None else seed)
+
+
+def _drawn_seed(loader: DataLoader) -> int:
+    """A seed for a plain shuffled loader's orders, drawn as torch's ``RandomSampler`` draws one: from the
+    loader's ``generator`` if it has one, else from torch's global generator (``torch.manual_seed`` fixes it)."""
+    generator = getattr(loader.sampler, "generator", None) or loader.generator
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) % 2**62
 
 
 def _drops_last(loader: DataLoader) -> bool:
@@ -221,6 +279,15 @@ def _own_batch_sampler(loader: DataLoader) -> Any | None:
     """The ``batch_sampler`` the user's loader batches with, if given (its ``sampler`` and ``drop_last`` are then
     unused)."""
     return loader.batch_sampler if loader.batch_size is None else None
+
+
+def per_rank_batch(loader: DataLoader) -> int | None:
+    """The batch each rank of plain DDP would take from ``loader``: its ``batch_size``, or that of a torch
+    ``BatchSampler`` it batches with; None where the loader does not say."""
+    own = _own_batch_sampler(loader)
+    if own is None:
+        return loader.batch_size
+    return own.batch_size if type(own) is BatchSampler else None
 
 
 _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -238,9 +305,16 @@ class AllocatedLoader:
     began; after the last, that the epoch ended (a re-plan, a merge, the epoch's
     figures). Attributes it does not define come from the original loader.
 
+    Its epochs follow the loader's own ``DistributedSampler``: ``set_epoch`` on
+    that sampler, on ``loader.sampler`` or on ``loader.batch_sampler.sampler``
+    (Lightning's path) gives every epoch its order. A loop that never sets the
+    epoch trains one order every epoch, as plain DDP does (with a warning). A
+    plain shuffled loader (``shuffle=True``, no ``DistributedSampler``) takes a new
+    order each epoch from a seed the ranks agree on, as torch's ``RandomSampler``.
+
     .. warning::
-        Every rank must iterate it the same way (same epochs, ``set_epoch`` on
-        ``loader.sampler`` as with ``DistributedSampler``): each step is collective.
+        Every rank must iterate it the same way (same epochs, ``set_epoch`` as
+        with ``DistributedSampler``): each step is collective.
     """
 
     def __init__(self, model: DistributedDataParallel, loader: DataLoader, *, global_batch: int,
@@ -249,11 +323,14 @@ class AllocatedLoader:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError("allocate() needs a map-style dataset (with __len__ and __getitem__), "
                               f"got {type(dataset).__name__}")
-        shuffle, seed = _order_of(loader, shuffle, seed)
+        order = _order_of(loader, shuffle, seed)
+        seed = order.seed if order.seed is not None else model._rank0s(_drawn_seed(loader), "agreeing on the order's seed")
+        size = len(dataset)
         self.original = loader
         self.model = model
-        self.sampler = StepSampler(len(dataset), global_batch, model.rank, shares_at=model.shares_at,
-                                   shuffle=shuffle, seed=seed, drop_last=_drops_last(loader), cost=cost)
+        self.sampler = StepSampler(size, global_batch, model.rank, shares_at=model.shares_at, shuffle=order.shuffle,
+                                   seed=seed, drop_last=_drops_last(loader), cost=cost, epoch_source=order.source,
+                                   epoch_size=size - size % model.world_size if order.drops_tail else size)
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}
@@ -289,6 +366,8 @@ class AllocatedLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.tickets.clear()  # a loop that broke off early left tickets of steps never run
         self.sampler.next_step = self.model.steps_done
+        self.sampler.begin_pass(self.model.epochs_done)
+        self._warn_if_order_repeats()
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
         batches = iter(self._loader)  # draws the workers' base seed from the global generator
         if self.model.resume_random_state is not None:  # after that draw, which the saved run made before saving
@@ -300,3 +379,13 @@ class AllocatedLoader:
             self.model.end_step()
         self.sampler.start = 0
         self.model.end_epoch()
+
+    def _warn_if_order_repeats(self) -> None:
+        """Warn (once, from rank 0) when a shuffled epoch repeats the last one's order: the user's
+        ``DistributedSampler`` was never told the epoch, which plain DDP trains the same way, as a rule by mistake."""
+        last = self.model.last_epoch
+        if (self.sampler.shuffle and self.sampler.start == 0 and last is not None
+                and last.epoch == self.sampler.epoch and self.model._first_warning("order repeats")):
+            warnings.warn(f"hetdp: epoch {last.epoch}'s order again, as under plain DDP: the loader's "
+                          "DistributedSampler was not told the epoch; call sampler.set_epoch(epoch) before each epoch "
+                          "(on your sampler or on loader.sampler) for a new order", stacklevel=3)

@@ -13,29 +13,45 @@ from hetdp.errors import ConfigError
 
 TIE = 0.02
 """Ranks whose compute is within this fraction of the slowest one's are named together: equal devices tie."""
+SPREAD = 0.05
+"""A compute spread below this fraction of the step is noise, not a straggler (adaptive allocation leaves one)."""
+COMMUNICATION_BOUND = 0.2
+"""The share of the step the exchange must take before a run is called communication-bound."""
 
 
 def diagnose_straggler(compute_s: Sequence[float], wait_s: Sequence[float]) -> str:
     """Name the rank(s) that held a synchronous run back, and whether by compute or by communication.
 
-    The slowest computer is the straggler if its extra compute over the median rank
-    exceeds the time every rank spends in the allreduce itself (the smallest wait);
-    otherwise the step is bound by communication. Ranks within ``TIE`` of the
-    slowest are named together, so equal devices get the same verdict every run.
+    A step lasts as long as its longest rank (compute + wait); every rank spends at
+    least the smallest wait exchanging. The slowest computer is the straggler when
+    its extra compute over the median rank exceeds that exchange and ``SPREAD`` of
+    the step; otherwise the run is communication-bound when the exchange takes
+    ``COMMUNICATION_BOUND`` of the step or more, and bound by compute (balanced)
+    when it takes less. Ranks within ``TIE`` of the slowest are named together, so
+    equal devices get the same verdict every run.
     """
+    if len(compute_s) == 1:
+        return f"one rank: nothing to wait for ({compute_s[0]:.2f} s computing)"
+    step_s = max(c + w for c, w in zip(compute_s, wait_s))
     slowest_s = max(compute_s)
     slowest = [rank for rank, seconds in enumerate(compute_s) if seconds >= (1.0 - TIE) * slowest_s]
     extra_s = slowest_s - statistics.median(compute_s)
     comm_s = min(wait_s)
-    if extra_s > comm_s:
+    share = round(comm_s / step_s, 2) if step_s > 0 else 0.0  # judged as shown: "20%" is communication-bound
+    if extra_s > comm_s and extra_s >= SPREAD * step_s:
         who = f"rank {slowest[0]} is" if len(slowest) == 1 else f"ranks {', '.join(map(str, slowest))} are"
         return (
             f"{who} the straggler{'s' if len(slowest) > 1 else ''}, by compute: {slowest_s:.2f} s computing, "
             f"{extra_s:.2f} s more than the median rank; the others wait up to {max(wait_s):.2f} s"
         )
+    if share >= COMMUNICATION_BOUND:
+        return (
+            f"no compute straggler: communication-bound, the exchange takes {share:.0%} of the time "
+            f"(every rank spends {comm_s:.2f} s of {step_s:.2f} s in it), more than the {extra_s:.2f} s compute spread"
+        )
     return (
-        f"no compute straggler: communication-bound, every rank spends at least {comm_s:.2f} s "
-        f"in the allreduce, more than the {extra_s:.2f} s compute spread"
+        f"no straggler: bound by compute, the exchange takes {share:.0%} of the time ({comm_s:.2f} s of "
+        f"{step_s:.2f} s) and the ranks' compute differs by {extra_s:.2f} s"
     )
 
 
@@ -90,7 +106,7 @@ class MetricsConfig:
     csv: Path | str | None = None
     """A CSV file of per-step rows (step, epoch, rank, share, compute_s, wait_s); epochs go to ``<stem>_epochs.csv``."""
     tensorboard: Path | str | None = None
-    """A TensorBoard log folder (needs ``pip install hetdp[tensorboard]``)."""
+    """A TensorBoard log folder (needs the tensorboard package: ``pip install tensorboard``)."""
     every: int = 8
     """Steps between the gathers that bring every rank's per-step figures to all ranks."""
 
@@ -118,7 +134,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
                 raise ConfigError(
-                    "metrics.tensorboard needs the tensorboard package: pip install 'hetdp[tensorboard]'"
+                    "metrics.tensorboard needs the tensorboard package: pip install tensorboard (from a clone of "
+                    "hetdp: pip install '.[tensorboard]')"
                 ) from error
             self._board = SummaryWriter(str(config.tensorboard))
 

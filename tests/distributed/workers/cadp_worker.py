@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 import hetdp
 from hetdp.allocate.planner import evaluate
 from hetdp.sync.averaging import average_parameters, merge_weights
+from hetdp.train.cadp import CadpConfig, train_cadp
 from hetdp.train.distribute import distribute
 
 SIZE = 47
@@ -71,13 +72,13 @@ def main() -> None:
 
     # One planned C-ADP epoch, and two epochs of equal-split synchronous DDP, without emulation.
     for name, config, given in [
-        ("cadp", hetdp.CadpConfig(epochs=1, seed=3), plan),
-        ("ddp", hetdp.CadpConfig(epochs=2, seed=3, allocation="equal", sync="step", transport="indices"), None),
+        ("cadp", CadpConfig(epochs=1, seed=3), plan),
+        ("ddp", CadpConfig(epochs=2, seed=3, allocation="equal", sync="step", transport="indices"), None),
     ]:
         model = make_model(0 if rank == 0 else 99)  # rank 0's initial model must reach everyone
         owned = training_set if rank == 0 or config.transport == "indices" else None
         called = time.perf_counter()
-        result = hetdp.train_cadp(model, make_optimizer(model), owned, cluster, config, plan=given)
+        result = train_cadp(model, make_optimizer(model), owned, cluster, config, plan=given)
         wall_s = time.perf_counter() - called
         torch.save(model.state_dict(), out / f"{name}_{rank}.pt")
         report[name] = {
@@ -92,13 +93,13 @@ def main() -> None:
 
     # A data owner that does not train: 3 ranks, 2 devices; rank 0 plans.
     model = make_model(0)
-    result = hetdp.train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, make_cluster(2),
-                              hetdp.CadpConfig(epochs=1))
+    result = train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, make_cluster(2),
+                              CadpConfig(epochs=1))
     report["parameter_server"] = {"samples": result.samples, "plan": result.plan.samples}
 
     # A plan that does not fit the dataset fails on every rank, not only on the owner.
     try:
-        hetdp.train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, cluster,
+        train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, cluster,
                          plan=evaluate(cluster, [10, 10, 10], 1))
         report["bad_plan"] = None
     except hetdp.ConfigError as error:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hetdp
 from hetdp.cluster.devices import DeviceModel
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 FEATURES = 4
 COST_SHARES = (1.0, 2.0, 3.0)
@@ -98,8 +99,8 @@ def capped_drop_in(emulation: hetdp.Emulation, global_batch: int) -> dict:
 def trainer_with_emulated_caps(emulation: hetdp.Emulation) -> dict:
     dataset = torch.utils.data.TensorDataset(torch.randn(48, FEATURES), torch.randint(0, 2, (48,)))
     model = make_model()
-    config = hetdp.AllocationConfig(policy="static", weights=(1.0, 1.0, 1.0), global_batch=24, mode="batch")
-    trainer = hetdp.AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset, config,
+    config = AllocationConfig(policy="static", weights=(1.0, 1.0, 1.0), global_batch=24, mode="batch")
+    trainer = AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset, config,
                                      emulation=emulation)
     with trainer:
         trainer.train_epoch(0)

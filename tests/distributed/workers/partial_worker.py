@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hetdp
+from hetdp.train.eager import EagerSGD
 
 WIDTH = 6
 
@@ -124,7 +125,7 @@ def eager_matches_sync(rank: int, group: dist.ProcessGroup, steps: int = 15) -> 
     """EagerSGD in full mode next to plain synchronous SGD (allreduce, divide by P) on the same batches."""
     eager_model, plain_model = new_model(), new_model()
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9)
-    with hetdp.EagerSGD(torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9), eager_model,
+    with EagerSGD(torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9), eager_model,
                         mode="full", group=group) as eager:
         for step in range(steps):
             inputs, targets = batch(step, rank)
@@ -144,7 +145,7 @@ def eager_divergence(rank: int, mode: str, steps: int = 30) -> dict:
     """EagerSGD with random delays: the largest parameter gap between replicas after close()."""
     rng = np.random.default_rng([7, rank])
     model = new_model()
-    eager = hetdp.EagerSGD(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, mode=mode)
+    eager = EagerSGD(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, mode=mode)
     for step in range(steps):
         time.sleep(rng.uniform(0.0, 0.02))
         inputs, targets = batch(step, rank)
@@ -162,7 +163,7 @@ def unit_gradient_run(rank: int, *, divide_by: str, catch_up: bool, sync_every: 
     weight = nn.Parameter(torch.full((1,), 10.0 + rank, dtype=torch.float64))
     model = nn.Module()
     model.weight = weight
-    eager = hetdp.EagerSGD(torch.optim.SGD([weight], lr=1.0), model, mode="solo", divide_by=divide_by,
+    eager = EagerSGD(torch.optim.SGD([weight], lr=1.0), model, mode="solo", divide_by=divide_by,
                            catch_up=catch_up, sync_every=sync_every)
     start = float(weight)
     for _ in range(steps):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import hetdp
+from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 
 def thread_names() -> list[str]:
@@ -27,8 +28,8 @@ def main() -> None:
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # the first optimizer imports torch._dynamo
     data = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
-    config = hetdp.AllocationConfig(policy="static", weights=(1.0, 2.0), global_batch=6, micro_batch=2)
-    with hetdp.AllocatedTrainer(model, optimizer, data, config) as trainer:  # on a group of its own
+    config = AllocationConfig(policy="static", weights=(1.0, 2.0), global_batch=6, micro_batch=2)
+    with AllocatedTrainer(model, optimizer, data, config) as trainer:  # on a group of its own
         trainer.train_epoch(0)
         during = thread_names()
     del trainer

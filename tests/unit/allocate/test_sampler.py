@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetdp import ConfigError, WeightedDistributedSampler
+from hetdp import ConfigError
+from hetdp.allocate.sampler import WeightedDistributedSampler
 from hetdp.allocate.sampler import split_step
 
 shares_strategy = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6).filter(lambda s: sum(s) > 0)

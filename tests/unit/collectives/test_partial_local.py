@@ -107,5 +107,5 @@ def test_an_error_inside_the_context_is_reported_to_the_others_and_closes(one_ra
 
 
 def test_the_public_names_are_exported():
-    for name in ("PartialAllreduce", "PartialConfig", "PartialResult", "EagerSGD"):
+    for name in ("PartialAllreduce", "PartialConfig", "PartialResult"):
         assert name in hetdp.__all__

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp import ConfigError, EagerSGD, PartialConfig
+from hetdp import ConfigError, PartialConfig
+from hetdp.train.eager import EagerSGD
 
 
 def _model() -> nn.Module:

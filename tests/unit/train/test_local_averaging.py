@@ -1,4 +1,4 @@
-"""The pure parts of local training: merge weights, the weighted average, the emulation's deadline clock."""
+"""The pure parts of local training: merge weights and each rank's order of its own data."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import merge_weights
-from hetdp.train import local
-from hetdp.train.local import Pace, epoch_order, weighted_average
+from hetdp.train.cadp import epoch_order
 
 
 def test_merge_weights_are_each_devices_share_of_the_data():
@@ -31,69 +30,9 @@ def test_merge_weights_reject_empty_or_negative_counts(counts):
         merge_weights(counts)
 
 
-def test_weighted_average_equals_the_hand_computed_value():
-    tensors = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -4.0]), torch.tensor([10.0, 0.5])]
-    # 0.5 * [1, 2] + 0.3 * [3, -4] + 0.2 * [10, 0.5] = [0.5 + 0.9 + 2.0, 1.0 - 1.2 + 0.1]
-    expected = torch.tensor([3.4, -0.1])
-    torch.testing.assert_close(weighted_average(tensors, [0.5, 0.3, 0.2]), expected)
-
-
-def test_weighted_average_with_a_zero_weight_ignores_that_tensor():
-    tensors = [torch.full((2, 2), 7.0), torch.full((2, 2), 1e6)]
-    torch.testing.assert_close(weighted_average(tensors, [1.0, 0.0]), torch.full((2, 2), 7.0))
-
-
-@pytest.mark.parametrize(
-    ("tensors", "weights", "message"),
-    [
-        ([torch.zeros(2), torch.zeros(3)], [0.5, 0.5], "one shape"),
-        ([torch.zeros(2)], [0.5, 0.5], "one weight per tensor"),
-    ],
-)
-def test_weighted_average_rejects_mismatched_inputs(tensors, weights, message):
-    with pytest.raises(ConfigError, match=message):
-        weighted_average(tensors, weights)
-
-
 def test_epoch_order_is_a_permutation_that_differs_by_epoch_and_rank():
     first = epoch_order(50, seed=1, epoch=0, rank=0)
     assert sorted(first.tolist()) == list(range(50))
     assert torch.equal(first, epoch_order(50, seed=1, epoch=0, rank=0))
     assert not torch.equal(first, epoch_order(50, seed=1, epoch=1, rank=0))
     assert not torch.equal(first, epoch_order(50, seed=1, epoch=0, rank=1))
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-        self.sleeps = []
-
-    def perf_counter(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.sleeps.append(round(seconds, 9))
-        self.now += seconds
-
-
-def test_pace_deadlines_accumulate_so_overshoot_does_not_add_up(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(local.time, "perf_counter", clock.perf_counter)
-    monkeypatch.setattr(local.time, "sleep", clock.sleep)
-    pace = Pace()
-    clock.now += 0.03  # real work of 30 ms in a 100 ms batch
-    pace.wait(0.1)
-    clock.now += 0.15  # real work of 150 ms overruns the next 100 ms batch ...
-    pace.wait(0.1)
-    clock.now += 0.01  # ... and the third batch catches up
-    pace.wait(0.1)
-    assert clock.sleeps == [0.07, 0.04]
-    assert clock.now == pytest.approx(100.3)
-
-
-def test_a_disabled_pace_never_sleeps(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(local.time, "sleep", clock.sleep)
-    pace = Pace(enabled=False)
-    pace.wait(5.0)
-    assert clock.sleeps == []
