@@ -8,7 +8,7 @@ of the step, sized to its measured speed, and counts the token normalization onc
 
     hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 examples/adopt_transformers.py --epochs 3
     hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 --allocation equal examples/adopt_transformers.py  # DDP's split
-    torchrun --nproc-per-node 4 examples/adopt_transformers.py                                              # real devices
+    torchrun --nproc-per-node 4 examples/adopt_transformers.py                                            # real devices
 """
 
 import argparse

@@ -124,7 +124,7 @@ def test_accelerate_unequal_shares_train_as_one_process_on_the_global_batch(acce
     results, out = accelerate_exact
     blocks = results[0]["blocks"]
     assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
-    expected, _ = reference(50, 16, 2, every=2, seed=0)  # a RandomSampler: seed 0
+    expected, _ = reference(50, 16, 2, every=2, seed=results[0]["seed"])  # a RandomSampler's: drawn by rank 0
     for name, tensor in torch.load(out / "accelerate_exact.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
@@ -145,7 +145,8 @@ def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
 
 
-def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool) -> dict[str, torch.Tensor]:
+def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool, seed: int
+                 ) -> dict[str, torch.Tensor]:
     """One process on the union of the ranks' batches: per optimizer step, the sum of the token losses of its
     ``every`` global batches over their token count (transformers' loss normalization, which counts the labels
     from the second position on where it sees that the loss shifts them: ``shifted``), clipped at 0.5, SGD."""
@@ -154,7 +155,7 @@ def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted:
     model = make_lm(7)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     data = Tokens(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=0,
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
                           drop_last=False)
     steps = math.ceil(size / global_batch)
     for epoch in range(epochs):
@@ -184,7 +185,7 @@ def test_transformers_unequal_shares_count_the_token_normalization_once(tmp_path
     assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
     for result in results:
         assert result["batches"] == 4 and result["updates"] == 4 and result["epochs"] == 2 and result["closed"]
-    expected = lm_reference(50, 16, 2, every=2, shifted=results[0]["shifts_labels"])
+    expected = lm_reference(50, 16, 2, every=2, shifted=results[0]["shifts_labels"], seed=results[0]["seed"])
     for name, tensor in torch.load(tmp_path / "transformers_exact.pt").items():
         if name in expected:
             torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)

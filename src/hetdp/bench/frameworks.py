@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     rows = [{"framework": name, "DDP split epoch s": figures["equal_epoch_s"],
              "hetdp epoch s": figures["hetdp_epoch_s"], "speedup": figures["speedup_vs_framework_ddp"],
-             "final shares": ",".join(map(str, figures["final_shares"])), "param gap": figures["param_gap"]}
+             "final shares": ",".join(map(str, figures["final_shares"])), "param gap": f"{figures['param_gap']:.2g}"}
             for name, figures in result["frameworks"].items()]
     s = result["settings"]
     title = (f"speeds {','.join(f'{v:g}' for v in s['speeds'])}, {s['sample_cost_ms']:g} ms/sample at speed 1, "

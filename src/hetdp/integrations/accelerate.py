@@ -171,7 +171,8 @@ class AllocatedDataLoader(DataLoaderStateMixin):
 
     def __len__(self) -> int:
         if self._loop is None and self.original.batch_size is not None:  # before the model is prepared
-            full, partial = divmod(len(self.original.dataset), self.original.batch_size * self.accelerator.num_processes)
+            global_batch = self.original.batch_size * self.accelerator.num_processes
+            full, partial = divmod(len(self.original.dataset), global_batch)
             return full + int(bool(partial) and not self._drop_last)
         return len(self.loop)
 

@@ -36,7 +36,8 @@ def train(accelerator: Accelerator, model, optimizer, loader, epochs: int, clip:
 
 def run(scenario: str, out: Path) -> tuple[int, dict]:
     if scenario == "exact":
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, allocation=hetdp.Static((1.0, 2.0, 3.0, 2.0)))
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
+                                  allocation=hetdp.Static((1.0, 2.0, 3.0, 2.0)))
         net = make_model(7 + accelerator.process_index)  # hetdp.DDP starts every rank from rank 0's parameters
         optimizer = torch.optim.AdamW(net.parameters(), lr=0.05)
         loader = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=1)
@@ -49,7 +50,7 @@ def run(scenario: str, out: Path) -> tuple[int, dict]:
         ddp = accelerator.hetdp_model
         if accelerator.is_main_process:
             torch.save(ddp.module.state_dict(), out / "accelerate_exact.pt")
-        result = {"blocks": [f.shares for f in ddp.step_figures], "batches": len(loader),
+        result = {"blocks": [f.shares for f in ddp.step_figures], "batches": len(loader), "seed": loader.sampler.seed,
                   "epochs": len(ddp.epoch_reports), "evaluated": sum(seen),
                   "evaluation_loader": type(evaluation).__name__}
     elif scenario == "emulated":

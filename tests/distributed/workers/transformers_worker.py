@@ -63,7 +63,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             torch.save(model.state_dict(), out / "transformers_exact.pt")
         return {"blocks": [f.shares for f in ddp.step_figures], "batches": len(trainer.hetdp_loader),
                 "updates": trainer.state.global_step, "epochs": len(ddp.epoch_reports), "closed": ddp._group is None,
-                "shifts_labels": bool(trainer._loss_shifts_labels)}
+                "shifts_labels": bool(trainer._loss_shifts_labels), "seed": trainer.hetdp_loader.sampler.seed}
     if scenario == "emulated":
         args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=32, num_train_epochs=1,
                                  learning_rate=1e-3, use_cpu=True, ddp_backend="gloo", report_to=[],

@@ -14,9 +14,10 @@ class Recorder:
     """What a LoopLoader needs of hetdp.DDP, recording the calls: rank 0 of 2, shares 3 and 1 of 4 a step."""
 
     rank, world_size = 0, 2
+    last_epoch = None
 
     def __init__(self) -> None:
-        self.steps_done = 0
+        self.steps_done = self.epochs_done = 0
         self.calls: list[tuple] = []
 
     def shares_at(self, step: int) -> list[int]:
