@@ -137,6 +137,13 @@ def test_accelerate_keeps_its_batch_count_and_its_own_evaluation_loader(accelera
         assert result["evaluation_loader"] == "DataLoaderShard" and result["evaluated"] == 40, result
 
 
+def test_accelerate_refuses_a_second_trainable_model_and_a_comm_hook_of_its_own(accelerate_exact):
+    # Accelerate's prepare_model takes only its built-in comm hooks, and they would replace hetdp's, which weighs
+    # the ranks' shares; one model's shares size its loader's steps.
+    refused = accelerate_exact[0][0]["refused"]
+    assert "comm hook" in refused["comm_hook"] and "one model" in refused["second_model"], refused
+
+
 def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
     pytest.importorskip("accelerate")
     result = launch(torchrun, "accelerate_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]

@@ -179,6 +179,7 @@ def _transformers(allocation: Any, data: Dataset, batch: int, epochs: int, seed:
     with tempfile.TemporaryDirectory() as folder:
         args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, num_train_epochs=epochs,
                                  max_grad_norm=0.0, use_cpu=True, ddp_backend="gloo", report_to=[],
+                                 ddp_find_unused_parameters=False,
                                  save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=seed)
         trainer = Trainer(model=net, args=args, train_dataset=data, optimizers=(optimizer, constant),
                           allocation=allocation)

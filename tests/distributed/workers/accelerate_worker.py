@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from dropin_worker import Pairs, make_model
 from torch import nn
 from torch.utils.data import DataLoader
@@ -50,9 +51,18 @@ def run(scenario: str, out: Path) -> tuple[int, dict]:
         ddp = accelerator.hetdp_model
         if accelerator.is_main_process:
             torch.save(ddp.module.state_dict(), out / "accelerate_exact.pt")
+        refused = {}
+        hooked = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(
+            comm_hook=DDPCommunicationHookType.FP16)])
+        for name, attempt in (("second_model", lambda: accelerator.prepare(make_model(0))),
+                              ("comm_hook", lambda: hooked.prepare(make_model(0)))):
+            try:
+                attempt()
+            except hetdp.ConfigError as error:
+                refused[name] = str(error)
         result = {"blocks": [f.shares for f in ddp.step_figures], "batches": len(loader), "seed": loader.sampler.seed,
                   "epochs": len(ddp.epoch_reports), "evaluated": sum(seen),
-                  "evaluation_loader": type(evaluation).__name__}
+                  "evaluation_loader": type(evaluation).__name__, "refused": refused}
     elif scenario == "emulated":
         accelerator = Accelerator(cpu=True)
         net = make_model(0)
