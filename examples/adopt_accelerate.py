@@ -6,8 +6,8 @@ accumulation through ``accelerator.accumulate``, ``accelerator.backward``, clipp
 ``Accelerator`` wraps the model in ``hetdp.DDP`` instead of torch's DDP and re-cuts the shuffling loader so that
 each rank's batch is its share of the step, sized to its measured speed.
 
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 examples/adopt_accelerate.py --epochs 3
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 --allocation equal examples/adopt_accelerate.py  # DDP's split
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 examples/adopt_accelerate.py --epochs 3
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 --allocation equal examples/adopt_accelerate.py  # DDP's split
     torchrun --nproc-per-node 4 examples/adopt_accelerate.py                                              # real devices
 """
 

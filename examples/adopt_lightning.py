@@ -6,8 +6,8 @@ AdamW with a OneCycle schedule sized by ``estimated_stepping_batches``, clipping
 the DistributedSampler Lightning injects. hetdp wraps the model in ``hetdp.DDP`` and re-cuts the training loader
 so that each rank's batch is its share of the step, sized to its measured speed; the validation loader is untouched.
 
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 examples/adopt_lightning.py --epochs 3
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 --allocation equal examples/adopt_lightning.py  # DDP's split
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 examples/adopt_lightning.py --epochs 3
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 --allocation equal examples/adopt_lightning.py  # DDP's split
     torchrun --nproc-per-node 4 examples/adopt_lightning.py                                              # real devices
 """
 

@@ -6,8 +6,8 @@ the loss by the step's token count across devices), accumulation, clipping, a li
 ``Trainer`` wraps the model in ``hetdp.DDP`` and re-cuts the training loader so that each rank's batch is its share
 of the step, sized to its measured speed, and counts the token normalization once.
 
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 examples/adopt_transformers.py --epochs 3
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 --allocation equal examples/adopt_transformers.py  # DDP's split
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 examples/adopt_transformers.py --epochs 3
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 --allocation equal examples/adopt_transformers.py  # DDP's split
     torchrun --nproc-per-node 4 examples/adopt_transformers.py                                            # real devices
 """
 
