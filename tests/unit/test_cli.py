@@ -21,7 +21,7 @@ def run_cli(capsys, *argv):
     ([], ["demo", "simulate", "--version"], "hetdp: error: choose a COMMAND: demo, run, plan, probe, bench, simulate"),
     (["bench"], ["collectives", "--quick", "--json PATH", "--seed N"],
      ("hetdp bench: error: choose a NAME: allocation, cadp, planner, collectives, eager, imbalance, devices, "
-      "compose, drift, simcheck, chaos")),
+      "compose, drift, simcheck, chaos, frameworks")),
 ])
 def test_a_missing_command_prints_the_usage_then_one_error_line(capsys, argv, listed, last_line):
     code, _, err = run_cli(capsys, *argv)

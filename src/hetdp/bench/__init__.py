@@ -20,5 +20,7 @@ BENCHMARKS: dict[str, str] = {
                 "samples/s per setting and pairing",
     "chaos": "a random worker killed or hung at a random step under --max-restarts 2: recovery, the hung rank named, "
              "lost steps, parameter gap, resize 4 -> 3 ranks",
+    "frameworks": "hetdp under Lightning, Accelerate and transformers' Trainer on emulated speeds 1,1,2,4: epoch "
+                  "speedup over each framework's DDP split, shares reached, parameter gap to one process",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""
