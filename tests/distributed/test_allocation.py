@@ -20,6 +20,8 @@ from allocation_worker import WIDE, make_dataset, make_model  # noqa: E402
 WEIGHTS = (1.0, 2.0, 3.0)
 
 
+# The launch behind `results` also measures adaptive shares against emulated speeds, which other tests' processes
+# would distort: the tests that read it are serial.
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, torchrun):
     out = tmp_path_factory.mktemp("allocation")
@@ -50,6 +52,7 @@ def assert_same_parameters(actual, expected, atol=1e-5, rtol=0.0):
         torch.testing.assert_close(actual[name], tensor, atol=atol, rtol=rtol, msg=name)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(
     ("name", "size", "wide"), [("one_step", 12, 0), ("partial_epoch", 29, 0), ("batch_mode", 29, 0), ("many_buckets", 29, WIDE)]
 )
@@ -65,12 +68,14 @@ def test_unequal_shares_give_the_same_parameters_as_one_process(results, name, s
     assert_same_parameters(torch.load(out / f"{name}.pt"), reference_parameters(size, shares, wide=wide), rtol=rtol)
 
 
+@pytest.mark.serial
 def test_checkpoint_resume_reproduces_the_uninterrupted_run(results):
     # Saved without naming the next epoch, read by rank 0 alone and broadcast: the resumed run is the straight one.
     out, _ = results
     assert_same_parameters(torch.load(out / "resumed.pt"), torch.load(out / "straight.pt"), atol=1e-6)
 
 
+@pytest.mark.serial
 def test_a_checkpoint_of_another_config_is_refused_on_every_rank_and_a_missing_one_can_be_optional(results):
     out, _ = results
     for rank in range(3):
@@ -79,6 +84,7 @@ def test_a_checkpoint_of_another_config_is_refused_on_every_rank_and_a_missing_o
         assert figures["missing_ok"] == 0
 
 
+@pytest.mark.serial
 def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):
     _, figures = results
     shares = figures["adaptive"]["shares"][0]
@@ -88,6 +94,9 @@ def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):
         assert abs(share - ideal) <= 0.15 * ideal, (shares, "expected about", apportion((1.0, 2.0, 4.0), 70))
 
 
+# The launch must end well within the hung rank's 60 s sleep; started beside other tests' processes on 2 cores, three
+# workers can take most of that to import torch.
+@pytest.mark.serial
 def test_a_hung_peer_ends_in_peer_timeout_error_not_a_hang(torchrun):
     result = torchrun("allocation_hang_worker.py", 3, expect_rc=None, timeout_s=50)
     assert result.returncode != 0

@@ -9,7 +9,8 @@ from hetdp.bench.compose import PAIRINGS, run
 
 def test_repeats_train_at_once_on_groups_of_their_own_from_their_own_seeds():
     args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
-                              sync_every=0, quorum=None, lr=0.05, momentum=0.9, repeats=2, quick=False, seed=0)
+                              sync_every=0, quorum=None, lr=0.05, momentum=0.9, repeats=2, quick=False, seed=0,
+                              seeds=None)
     result = run(args)  # 4 ranks: repeat 0 on ranks 0-1, repeat 1 on ranks 2-3
     assert result["repeats"] == 2 and len(result["runs"]) == len(PAIRINGS)
     for name, repeats in result["runs"].items():

@@ -20,6 +20,10 @@ from dropin_worker import Pairs, make_model, make_optimizer, make_tower  # noqa:
 
 RANKS = 4
 
+# Shares, plans and their timing (drift, background gathers, the first plan, two backwards) follow measured times,
+# which other tests' processes would distort.
+pytestmark = pytest.mark.serial
+
 
 def launch(torchrun, out: Path, scenarios: str, env: dict | None = None, timeout_s: float = 300) -> Path:
     torchrun("dropin_worker.py", RANKS, "--out", out, "--scenarios", scenarios, env=env, timeout_s=timeout_s)

@@ -55,6 +55,15 @@ def steps_of(log_path) -> tuple[dict[int, list[int]], int]:
     return covered, max(redone.values(), default=0)
 
 
+def ranks_of(log_path) -> list[set[int]]:
+    """The ranks that logged steps in each launch, in the order the launches ran."""
+    ranks: dict[str, set[int]] = {}
+    for line in log_path.read_text().splitlines():
+        launch_id, _, _, rank, *_ = line.split()
+        ranks.setdefault(launch_id, set()).add(int(rank))
+    return list(ranks.values())
+
+
 @pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
 def test_a_killed_or_hung_worker_is_restarted_and_ends_where_an_uninterrupted_run_ends(tmp_path, reference,
                                                                                         signal_name):
@@ -75,12 +84,16 @@ def test_a_killed_or_hung_worker_is_restarted_and_ends_where_an_uninterrupted_ru
 def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once(tmp_path):
     with pytest.raises(WorkerError, match=r"^rank 1 died \(signal SIGKILL\); the other ranks were stopped$"):
         launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive")
-    second, out = launch(tmp_path, 2, "resize", "--allocation", "adaptive")
+    second, _ = launch(tmp_path, 2, "resize", "--allocation", "adaptive")
     assert second.returncode == 0, second.stdout
-    assert "resumed on 2" in second.stdout or out.exists()
-    covered, _ = steps_of(tmp_path / "resize.log")
+    assert "checkpoint of 3 ranks resumed on 2" in second.stdout
+    covered, steps_redone = steps_of(tmp_path / "resize.log")
     assert sorted(covered) == [0, 1]
     assert all(sorted(indices) == list(range(DATASET)) for indices in covered.values())
+    # The second launch went on from the last checkpoint (step 9 of the 10 the first one ran) on ranks 0 and 1: a
+    # launch that started over would cover every sample too, but redo 10 steps.
+    assert 0 < steps_redone <= EVERY
+    assert ranks_of(tmp_path / "resize.log")[-1] == {0, 1}
 
 
 def test_static_weights_for_another_count_of_ranks_is_one_clear_error(tmp_path):

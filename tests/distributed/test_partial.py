@@ -22,6 +22,8 @@ def _load(folder: Path, ranks: range | list[int]) -> list[dict]:
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in ranks]
 
 
+# The semantics launch sets arrival orders with sleeps of 10-500 ms and graces of 90 ms, which other tests' processes
+# would reorder: the tests that read it are serial. The dead-peer launch waits out its 3 s rounds beside others.
 @pytest.fixture(scope="module")
 def semantics(torchrun, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("partial-semantics")
@@ -40,6 +42,7 @@ def _round_key(record: dict) -> tuple:
     return record["round"], tuple(record["sum"]), record["contributors"], record["parts"]
 
 
+@pytest.mark.serial
 def test_solo_first_arrival_fires_alone_and_others_get_its_tensor(semantics):
     first = [rank["solo_controlled"]["first"] for rank in semantics]
     assert first[0]["round"] == 0
@@ -53,12 +56,14 @@ def test_solo_first_arrival_fires_alone_and_others_get_its_tensor(semantics):
     assert [r["sum"] for r in flushed[0]] == [[0.0, 2.0, 3.0, 4.0]]  # carried tensors, counted once, at close
 
 
+@pytest.mark.serial
 def test_quorum_waits_for_k_arrivals_in_a_controlled_order(semantics):
     first = semantics[0]["quorum_controlled"]["first"]
     assert first["contributors"] >= QUORUM
     assert sum(1 for value in first["sum"] if value) >= QUORUM  # one-hot tensors: the sum shows who is in
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", MODES)
 def test_every_rank_sees_the_same_round_sequence(semantics, mode):
     sequences = [[_round_key(r) for r in rank[mode]["rounds"]] for rank in semantics]
@@ -67,6 +72,7 @@ def test_every_rank_sees_the_same_round_sequence(semantics, mode):
         assert other == sequences[0]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", MODES)
 def test_contributors_count_the_ranks_whose_fresh_tensor_is_in_the_round(semantics, mode):
     rounds = len(semantics[0][mode]["rounds"])
@@ -75,6 +81,7 @@ def test_contributors_count_the_ranks_whose_fresh_tensor_is_in_the_round(semanti
         assert semantics[0][mode]["rounds"][index]["contributors"] == fresh
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", MODES)
 def test_conservation_every_contribution_is_summed_exactly_once(semantics, mode):
     rounds = semantics[0][mode]["rounds"]
@@ -91,6 +98,7 @@ def _before_flushing(semantics: list[dict], mode: str) -> list[int]:
     return [r for per_rank in phases for r in range(per_rank[0][0], min(last for _, last in per_rank) + 1)]
 
 
+@pytest.mark.serial
 def test_flush_leaves_every_rank_at_the_same_round_with_nothing_carried(semantics):
     for mode in MODES:
         phase_two = {rank[mode]["phases"][1][0] for rank in semantics}
@@ -99,6 +107,7 @@ def test_flush_leaves_every_rank_at_the_same_round_with_nothing_carried(semantic
         assert flush_round["contributors"] == 0, mode  # the flushing round: carried tensors only
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", ["quorum", "full"])
 def test_a_quorum_round_never_fires_with_fewer_than_k_arrivals(semantics, mode):
     required = QUORUM if mode == "quorum" else WORLD
@@ -106,6 +115,7 @@ def test_a_quorum_round_never_fires_with_fewer_than_k_arrivals(semantics, mode):
     assert indices and all(semantics[0][mode]["rounds"][i]["contributors"] >= required for i in indices)
 
 
+@pytest.mark.serial
 def test_majority_initiators_are_identical_and_every_round_holds_its_initiator(semantics):
     sequences = [rank["majority"]["initiators"] for rank in semantics]
     assert all(sequence == sequences[0] for sequence in sequences)
@@ -116,6 +126,7 @@ def test_majority_initiators_are_identical_and_every_round_holds_its_initiator(s
         assert semantics[leader]["majority"]["rounds"][index]["fresh"] is True
 
 
+@pytest.mark.serial
 def test_a_graced_majority_initiator_lets_in_the_ranks_only_a_little_behind(semantics):
     # Arrivals 10-30 ms behind the first, a grace of 90% of a 100+ ms step: once the initiators have a step of
     # history, every round holds every rank fresh (the paper's rule would leave the later ones a round behind).
@@ -123,6 +134,7 @@ def test_a_graced_majority_initiator_lets_in_the_ranks_only_a_little_behind(sema
         assert rank["majority_graced"][3:] and set(rank["majority_graced"][3:]) == {WORLD}, rank["majority_graced"]
 
 
+@pytest.mark.serial
 def test_a_bypassed_initiator_is_waited_for_before_it_can_be_bypassed_again(semantics):
     # Rank 3 is late for good. Its rounds may fire without it (it is the only rank out), but not twice without it
     # arriving in between: then the others wait for it, as under the paper's rule, and its lag stays bounded.
@@ -137,11 +149,13 @@ def test_a_bypassed_initiator_is_waited_for_before_it_can_be_bypassed_again(sema
         assert any(r["fresh"] for r in rounds if first < r["round"] < second), (first, second, rounds)
 
 
+@pytest.mark.serial
 def test_eager_full_mode_matches_synchronous_sgd_exactly(semantics):
     # Two-rank groups: a sum of two floats does not depend on the reduction order, so equality is exact.
     assert [rank["eager_full_equals_sync"] for rank in semantics] == [True] * WORLD
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", ["solo", "majority"])
 def test_eager_replicas_stay_identical_under_random_delays(semantics, mode):
     runs = [rank[f"eager_{mode}"] for rank in semantics]
@@ -151,10 +165,12 @@ def test_eager_replicas_stay_identical_under_random_delays(semantics, mode):
     assert {run["gradients"] for run in runs} == {sum(run["steps"] for run in runs)}  # every gradient, once
 
 
+@pytest.mark.serial
 def test_eager_starts_every_rank_from_rank_0s_parameters(semantics):
     assert {rank["unit_world"]["start"] for rank in semantics} == {10.0}
 
 
+@pytest.mark.serial
 def test_eager_divides_each_round_by_the_world_or_by_its_gradients(semantics):
     # Every gradient is 1. Divided by P, each is applied once, as 1/P: the parameter moves by the steps of one
     # rank. Divided by the gradients a round holds, every applied round moves it by exactly 1.
@@ -165,6 +181,7 @@ def test_eager_divides_each_round_by_the_world_or_by_its_gradients(semantics):
     assert max(rank["unit_contributors"]["applied"] for rank in semantics) > semantics[0]["unit_world"]["steps"]
 
 
+@pytest.mark.serial
 def test_without_catch_up_replicas_drift_until_synchronized(semantics):
     # Applying only a call's latest round (the paper's receive buffer), a lagging rank skips updates...
     assert semantics[0]["unit_latest_only"]["divergence"] > 0

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from hetdp.bench.compose import PAIRINGS, render, run, summarize
+from hetdp.bench.compose import PAIRINGS, _seed_list, group_seeds, render, run, summarize, summarize_seeds
 from hetdp.errors import ConfigError
 
 SNAPSHOTS = 10
@@ -100,6 +100,64 @@ def test_the_render_takes_the_speedup_apart_into_pace_and_steps():
 @pytest.mark.parametrize("momentum", [-0.1, 1.0])
 def test_a_momentum_outside_0_to_1_is_refused_before_any_rank_starts(momentum: float):
     args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
-                              sync_every=0, quorum=None, lr=0.05, momentum=momentum, repeats=1, quick=True, seed=0)
+                              sync_every=0, quorum=None, lr=0.05, momentum=momentum, repeats=1, quick=True, seed=0,
+                              seeds=None)
     with pytest.raises(ConfigError, match="--momentum"):
         run(args)
+
+
+def _two_seeds(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
+    """Seeds 3 and 7, one run each: seed 3's at 1 s per snapshot, seed 7's at 2 s."""
+    return summarize_seeds(_raw(first_good), (3, 7), (1.0, 1.0, 2.0, 4.0), quorum=2)
+
+
+def test_seeds_are_read_one_by_one_and_their_figures_averaged():
+    result = _two_seeds(BASE)
+    # Seed 3: adaptive+majority at 6 s against adaptive+allreduce's 7 s; seed 7: 16 s against 14 s.
+    assert [figures["seed"] for figures in result["per_seed"]] == [3, 7]
+    assert [figures["speedup_vs_best_single_axis"] for figures in result["per_seed"]] == [
+        pytest.approx(7 / 6), pytest.approx(14 / 16)]
+    assert result["mean_speedup_vs_best_single_axis"] == pytest.approx((7 / 6 + 14 / 16) / 2)
+    assert result["speedup_spread"]["min"] == pytest.approx(14 / 16)
+    assert result["speedup_spread"]["max"] == pytest.approx(7 / 6)
+    assert result["mean_accuracy_drop_points"] == pytest.approx(0.0)
+    assert result["repeats"] == 1 and result["seeds_without_speedup"] == []
+    assert result["meets_targets"] is False  # (7/6 + 7/8) / 2 = 1.02 < 1.15
+
+
+def test_a_seed_that_never_reaches_its_target_is_named_and_misses_the_targets():
+    result = _two_seeds({**BASE, "adaptive+majority": (1, None), "equal+allreduce": (0, 2)})
+    assert result["seeds_without_speedup"] == [7]
+    assert result["mean_speedup_vs_best_single_axis"] == pytest.approx(7 / 6)  # over the seeds that have one
+    assert result["mean_accuracy_drop_points"] == pytest.approx(50.0)  # seed 7 ends at 0 against 1
+    assert result["accuracy_drop_spread"] == {"min": pytest.approx(0.0), "max": pytest.approx(100.0),
+                                              "stdev": pytest.approx(70.71, abs=0.01)}
+    assert result["meets_targets"] is False
+    text = render(result)
+    assert "never on seed 7" in text and "mean speedup over the seeds 1.17x" in text and "targets not met" in text
+
+
+def test_seeds_that_meet_both_targets_say_so():
+    result = _two_seeds({**BASE, "adaptive+majority": (0, 0)})
+    assert min(figures["speedup_vs_best_single_axis"] for figures in result["per_seed"]) > 1.15
+    assert result["meets_targets"] is True and "targets met" in render(result)
+
+
+def test_seeds_are_distinct_integers_and_exclude_seed():
+    assert _seed_list("0,1,2,3,4") == (0, 1, 2, 3, 4)
+    for bad in ("0,x", "1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _seed_list(bad)
+    args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
+                              sync_every=0, quorum=None, lr=0.05, momentum=0.9, repeats=None, quick=True, seed=2,
+                              seeds=(0, 1))
+    with pytest.raises(ConfigError, match="either --seed or --seeds"):
+        run(args)
+
+
+def test_each_group_runs_one_repeat_of_one_seed_and_no_two_groups_share_a_repeat():
+    seeds, repeats = (0, 1, 4), 2
+    runs = [group_seeds(group, seeds, repeats) for group in range(len(seeds) * repeats)]
+    assert [of_seed for of_seed, _ in runs] == [0, 0, 1, 1, 4, 4]  # the order summarize_seeds reads them in
+    assert len({seed for _, seed in runs}) == len(runs)
+    assert group_seeds(1, (3,), 3) == (3, 10)  # --seeds 3 runs the repeats --seed 3 runs

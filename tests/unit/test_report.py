@@ -11,6 +11,17 @@ def test_a_streamed_table_prints_its_header_once_and_aligns_like_a_whole_one():
     assert streamed == format_table(rows)
 
 
+def test_a_column_shows_its_floats_to_one_number_of_decimals_and_never_an_exponent():
+    text = format_table([{"s": 2.93, "samples/s": 626900.0, "per rank": [0.1234, 1.5]},
+                         {"s": 2.966, "samples/s": 12.5, "per rank": [0.5, 0.25]},
+                         {"s": 1.826, "samples/s": 3.0, "per rank": [1.0, 2.0]}])
+    rows = [line.split() for line in text.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["2.930", "2.966", "1.826"]
+    assert [row[1] for row in rows] == ["626900", "12", "3"]
+    assert [row[2] for row in rows] == ["0.123,1.500", "0.500,0.250", "1.000,2.000"]
+    assert "e+" not in text
+
+
 def test_progress_hands_over_the_rows_that_come_with_events():
     rows = []
     with LaunchProgress(5, "epochs", nproc=2, unit="epoch", on_row=rows.append) as progress:

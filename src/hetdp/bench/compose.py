@@ -31,6 +31,13 @@ too. The repeats run at once, each on its own group of ranks in one launch: the
 emulated devices spend their steps asleep, so three groups share two cores
 without slowing each other, and ``--quick`` keeps within its two minutes.
 
+From seed to seed (a seed draws the test split as well as the initial models)
+the figures move more than from repeat to repeat, so one seed cannot be held to
+a one-point margin either. ``--seeds 0,1,2,3,4`` trains every seed at once, each
+on groups of its own (one repeat per seed unless ``--repeats`` says more), and
+reports each seed's figures, read as one seed's are, with their mean and spread
+over the seeds.
+
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
 
@@ -42,6 +49,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +110,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1 / (1 - momentum) times the learning rate to match it: --momentum 0 --lr 0.5)")
     parser.add_argument("--repeats", type=positive_int,
                         help="runs of every pairing, at once on groups of ranks of their own, the figures read off "
-                        "their mean curves (default 3)")
+                        "their mean curves (default 3; with --seeds, 1 per seed)")
+    parser.add_argument("--seeds", type=_seed_list, metavar="S1,S2,...",
+                        help="seeds to run at once, each on groups of ranks of its own, in place of --seed: each "
+                        "seed's figures, and their mean and spread over the seeds")
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(seed) for seed in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must differ, got {text!r}")
+    return seeds
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,16 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--sync-every must be >= 0 steps, got {args.sync_every}")
     if args.global_batch < nproc:
         raise ConfigError(f"--global-batch {args.global_batch} is smaller than the {nproc} ranks")
+    seeds = args.seeds
+    if seeds and args.seed != 0:
+        raise ConfigError(f"give either --seed or --seeds, got --seed {args.seed} and --seeds {_listed(seeds, '')}")
+    seeds = seeds or (args.seed,)
     epochs = args.epochs or (4 if args.quick else 8)
-    repeats = args.repeats or 3
-    steps = -(-len(load_digits(seed=args.seed).train) // args.global_batch)
+    repeats = args.repeats or (3 if len(seeds) == 1 else 1)
+    steps = -(-len(load_digits(seed=seeds[0]).train) // args.global_batch)
     worker_args = ["--speeds", ",".join(map(str, speeds)), "--straggler-ms", straggler_ms, "--epochs", epochs,
                    "--global-batch", args.global_batch, "--sample-cost-ms", sample_cost_ms,
                    "--sync-every", args.sync_every, "--quorum", quorum, "--lr", args.lr, "--momentum", args.momentum,
-                   "--repeats", repeats, "--seed", args.seed]
-    raw = launch_workers("hetdp.bench.compose", nproc * repeats, worker_args, total=len(PAIRINGS) * epochs * steps,
-                         description="steps", unit="step")
-    return summarize(raw, speeds, quorum)
+                   "--repeats", repeats, "--seeds", ",".join(map(str, seeds))]
+    raw = launch_workers("hetdp.bench.compose", nproc * repeats * len(seeds), worker_args,
+                         total=len(PAIRINGS) * epochs * steps, description="steps", unit="step")
+    if len(seeds) == 1:
+        return summarize(raw, speeds, quorum)
+    return summarize_seeds(raw, seeds, speeds, quorum)
 
 
 def _name(allocation: str, sync: str, quorum: int) -> str:
@@ -168,6 +195,56 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
     }
 
 
+def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[float, ...], quorum: int
+                    ) -> dict[str, Any]:
+    """Each seed's figures, read off the mean curves of its own repeats as ``summarize`` reads one seed's, and
+    the mean and spread of the two headline figures over the seeds.
+
+    A seed whose adaptive + majority never reaches its target has no speedup: the mean speedup is over the seeds
+    that have one, ``seeds_without_speedup`` names the others, and ``meets_targets`` holds only if there are none.
+    """
+    repeats = len(next(iter(raw["runs"].values()))) // len(seeds)
+    per_seed = []
+    for index, seed in enumerate(seeds):
+        own = {name: runs[index * repeats : (index + 1) * repeats] for name, runs in raw["runs"].items()}
+        figures = summarize({"settings": raw["settings"], "runs": own}, speeds, quorum)
+        per_seed.append({"seed": seed, **{key: figures[key] for key in SEED_FIGURES}})
+    speedups = [figures["speedup_vs_best_single_axis"] for figures in per_seed]
+    drops = [figures["accuracy_drop_points"] for figures in per_seed]
+    reached = [speedup for speedup in speedups if speedup is not None]
+    mean_speedup = statistics.fmean(reached) if reached else None
+    mean_drop = statistics.fmean(drops)
+    without = [figures["seed"] for figures in per_seed if figures["speedup_vs_best_single_axis"] is None]
+    targets = {"mean_speedup_vs_best_single_axis": 1.15, "mean_accuracy_drop_points": 1.0}
+    return {
+        "speeds": list(speeds),
+        "pairings": list(per_seed[0]["time_to_accuracy_s"]),
+        "seeds": list(seeds),
+        "repeats": repeats,
+        "mean_speedup_vs_best_single_axis": mean_speedup,
+        "speedup_spread": _spread(reached),
+        "seeds_without_speedup": without,
+        "mean_accuracy_drop_points": mean_drop,
+        "accuracy_drop_spread": _spread(drops),
+        "meets_targets": (not without and mean_speedup is not None and mean_speedup >= targets[
+            "mean_speedup_vs_best_single_axis"] and mean_drop <= targets["mean_accuracy_drop_points"]),
+        "targets": targets,
+        "per_seed": per_seed,
+        "settings": raw["settings"],
+    }
+
+
+SEED_FIGURES = ("speedup_vs_best_single_axis", "accuracy_drop_points", "best_single_axis", "target_accuracy",
+                "time_to_accuracy_s", "steps_to_accuracy", "final_accuracy", "samples_per_s", "per_repeat")
+"""The figures of each seed that ``--seeds`` reports."""
+
+
+def _spread(values: Sequence[float]) -> dict[str, float | None]:
+    """Smallest, largest and sample standard deviation (None below two values) of ``values``."""
+    return {"min": min(values, default=None), "max": max(values, default=None),
+            "stdev": statistics.stdev(values) if len(values) > 1 else None}
+
+
 def _mean_curve(repeats: list[dict[str, Any]]) -> Curve:
     """Snapshot times and accuracies averaged over the repeats, and the steps, at which they all snapshot alike."""
     return ([statistics.fmean(times) for times in zip(*(run_["time_s"] for run_ in repeats))],
@@ -196,6 +273,8 @@ def _figures(curves: dict[str, Curve]) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> str:
+    if "per_seed" in result:
+        return _render_seeds(result)
     tta = result["time_to_accuracy_s"]
     base = tta[result["pairings"][0]]
     rows = [{
@@ -233,6 +312,52 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _render_seeds(result: dict[str, Any]) -> str:
+    """One row per seed, then the means and spreads against the targets."""
+    both = result["pairings"][3]
+    rows = []
+    for figures in result["per_seed"]:
+        tta, best = figures["time_to_accuracy_s"], figures["best_single_axis"]
+        speedup = figures["speedup_vs_best_single_axis"]
+        rows.append({
+            "seed": figures["seed"],
+            "target accuracy": figures["target_accuracy"],
+            f"{both} s": "never" if tta[both] is None else tta[both],
+            "better single axis": best or "neither",
+            "its s": "" if best is None else tta[best],
+            "speedup": "never" if speedup is None else speedup,
+            "accuracy drop points": figures["accuracy_drop_points"],
+            f"{both} samples/s": figures["samples_per_s"][both],
+        })
+    s = result["settings"]
+    title = (f"digits ConvNet on speeds {result['speeds']}, one random rank delayed {s['straggler_ms']:g} ms per "
+             f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing, SGD from learning rate "
+             f"{s['lr']:g} with momentum {s['momentum']:g}; seeds {_listed(result['seeds'], '')}, "
+             f"{result['repeats']} run{'s' if result['repeats'] > 1 else ''} each, all at once")
+    speedup, spread = result["mean_speedup_vs_best_single_axis"], result["speedup_spread"]
+    drop, drop_spread = result["mean_accuracy_drop_points"], result["accuracy_drop_spread"]
+    without = result["seeds_without_speedup"]
+    targets = result["targets"]
+    lines = [format_table(rows, title=title)]
+    lines.append(
+        "time in training seconds until rank 0's model reaches the seed's target accuracy (its synchronous run's "
+        "final accuracy less one point); speedup: the better single axis's time over adaptive+majority's")
+    lines.append(
+        f"mean speedup over the seeds {'-' if speedup is None else f'{speedup:.2f}x'} (target "
+        f"{targets['mean_speedup_vs_best_single_axis']:g}x; {_range(spread, 'x')}"
+        + (f"; never on seed{'s' if len(without) > 1 else ''} {_listed(without, '')}" if without else "")
+        + f"), mean accuracy drop {drop:+.2f} points (target within {targets['mean_accuracy_drop_points']:g}; "
+        f"{_range(drop_spread, ' points')}): targets {'met' if result['meets_targets'] else 'not met'}")
+    return "\n".join(lines)
+
+
+def _range(spread: dict[str, float | None], unit: str) -> str:
+    if spread["min"] is None:
+        return "no seed"
+    deviation = "" if spread["stdev"] is None else f", standard deviation {spread['stdev']:.2f}"
+    return f"{spread['min']:.2f} to {spread['max']:.2f}{unit}{deviation}"
+
+
 def _anatomy(result: dict[str, Any]) -> str:
     """The speedup over the better single axis, taken apart: pace up to the target over steps to it."""
     tta, steps = result["time_to_accuracy_s"], result["steps_to_accuracy"]
@@ -244,8 +369,9 @@ def _anatomy(result: dict[str, Any]) -> str:
             f"{steps[both] / steps[best]:.2f}x its steps: stale gradients buy pace with steps")
 
 
-def _listed(values: list[float | None], unit: str) -> str:
-    return ", ".join("-" if value is None else f"{value:.2f}{unit}" for value in values)
+def _listed(values: Sequence[float | None], unit: str) -> str:
+    return ", ".join("-" if value is None else f"{value}{unit}" if isinstance(value, int) else f"{value:.2f}{unit}"
+                     for value in values)
 
 
 # --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
@@ -264,23 +390,23 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--momentum", type=float, required=True)
     parser.add_argument("--repeats", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=_seed_list, required=True)
     args = parser.parse_args(argv)
 
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
     speeds = parse_speeds(args.speeds)
     nproc = len(speeds)
-    # Repeat r trains on ranks r * nproc ... (r + 1) * nproc - 1; the groups wait for each other only at the end.
+    # Group g trains on ranks g * nproc ... (g + 1) * nproc - 1; the groups wait for each other only at the end.
     everyone = dist.new_group(timeout=datetime.timedelta(seconds=WAIT_S))
     groups = [dist.new_group(list(range(first, first + nproc))) for first in range(0, world_size, nproc)]
-    repeat = rank // nproc
-    seed = args.seed * args.repeats + repeat  # seeds 0 and 1 run disjoint repeats
+    group = rank // nproc
+    of_seed, seed = group_seeds(group, args.seeds, args.repeats)
     progress = EventWriter(enabled=rank == 0)
-    split = _standardized(load_digits(seed=args.seed))  # one split for every run: the repeats vary the rest
+    split = _standardized(load_digits(seed=of_seed))  # one split for every run of a seed: its repeats vary the rest
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=seed,  # the repeat's own draws
                           straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms)
-    runs = {f"{allocation}+{sync}": _train(args, split, allocation, sync, emulation, groups[repeat], progress, seed)
+    runs = {f"{allocation}+{sync}": _train(args, split, allocation, sync, emulation, groups[group], progress, seed)
             for allocation, sync in PAIRINGS}
     gathered: list[dict[str, Any] | None] = [None] * world_size
     dist.gather_object(runs if rank % nproc == 0 else None, gathered if rank == 0 else None, group=everyone)
@@ -290,6 +416,13 @@ def _worker(argv: list[str]) -> None:
         args.out.write_text(json.dumps({"settings": settings,
                                         "runs": {name: [runs_[name] for runs_ in repeats] for name in runs}}))
     dist.destroy_process_group()
+
+
+def group_seeds(group: int, seeds: Sequence[int], repeats: int) -> tuple[int, int]:
+    """The seed group ``group`` runs a repeat of, and the seed of that repeat's initial model, data order and
+    straggler draws: the groups run each seed's repeats in turn, and seeds S and S + 1 run disjoint repeats."""
+    of_seed = seeds[group // repeats]
+    return of_seed, of_seed * repeats + group % repeats
 
 
 def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,

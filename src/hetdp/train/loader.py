@@ -376,11 +376,23 @@ class AllocatedLoader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original"], name)
 
-    def __iter__(self) -> Iterator[Any]:
+    def batches(self) -> Iterator[Any]:
+        """Iterate the epoch's batches without opening or closing the model's steps: for a framework that owns the
+        loop (``hetdp.integrations``), which fetches a batch before it trains it, or stops fetching at the epoch's
+        last batch, and says itself when a batch's step begins and ends (``begin_ticket`` with
+        ``sampler.tickets.popleft()``, ``end_step``, ``begin_epoch``, ``end_epoch``)."""
+        self._start_pass()
+        return iter(self._loader)
+
+    def _start_pass(self) -> None:
+        """Settle a pass over the loader before its first step is cut: its epoch, and the step it starts at."""
         self.sampler.tickets.clear()  # a loop that broke off early left tickets of steps never run
         self.sampler.next_step = self.model.steps_done
         self.sampler.begin_pass(self.model.epochs_done)
         self._warn_if_order_repeats()
+
+    def __iter__(self) -> Iterator[Any]:
+        self._start_pass()
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
         batches = iter(self._loader)  # draws the workers' base seed from the global generator
         if self.model.resume_random_state is not None:  # after that draw, which the saved run made before saving

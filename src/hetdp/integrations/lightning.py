@@ -1,0 +1,159 @@
+"""PyTorch Lightning: ``Trainer(strategy="hetdp")`` trains with ``hetdp.DDP`` and re-cuts only the training loader.
+
+Importing this module registers the strategy name ``"hetdp"``; ``HetdpStrategy(allocation=..., sync=...)``
+takes the drop-in's settings. Launch with torchrun or ``hetdp run``, whose emulation reaches it with no code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from hetdp.allocate.policy import AllocationPolicy
+from hetdp.errors import ConfigError
+from hetdp.integrations.steps import LoopLoader
+from hetdp.sync.policy import SyncPolicy
+from hetdp.train.ddp import DistributedDataParallel
+from hetdp.train.metrics import EpochReport, MetricsConfig
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ConfigError("hetdp.integrations.lightning needs PyTorch Lightning: pip install 'hetdp[lightning]'") from error
+
+log = logging.getLogger(__name__)
+
+
+class HetdpStrategy(DDPStrategy):
+    """Lightning's DDP strategy, with ``hetdp.DDP`` in place of torch's: rank i trains ``shares[i]`` of every step.
+
+    The model is wrapped in ``hetdp.DDP(allocation, sync)``; the training loader
+    (with the ``DistributedSampler`` Lightning injected) is re-cut by
+    ``model.allocate``, the same number of batches on every rank, so
+    ``estimated_stepping_batches`` and the schedules it sizes are those of
+    ``strategy="ddp"``; validation, sanity-check, test and predict loaders are left
+    as Lightning made them. Accumulation (``no_sync``), clipping and precision
+    plugins are Lightning's own. Each epoch's figures reach Lightning's loggers as
+    ``hetdp/...`` metrics, its diagnosis the ``hetdp`` logger.
+
+    .. warning::
+        Every rank must run the same Trainer settings: each step is collective.
+        A ``training_step`` that takes ``dataloader_iter`` is not supported (the
+        steps pair with the batches Lightning fetches, one per ``training_step``).
+
+    Example::
+
+        >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
+        >>> import hetdp.integrations.lightning                     # registers strategy="hetdp"
+        >>> trainer = L.Trainer(strategy="hetdp", devices=4, max_epochs=3)   # was: strategy="ddp"
+        >>> trainer.fit(model, train_loader, val_loader)            # rank i: shares[i] of 32 x 4 samples a step
+    """
+
+    strategy_name = "hetdp"
+
+    def __init__(self, allocation: str | AllocationPolicy | None = None, sync: str | SyncPolicy | None = None, *,
+                 step_timeout_s: float = 60.0, metrics: MetricsConfig | None = None, **kwargs: Any) -> None:
+        """Args: ``allocation``, ``sync``, ``step_timeout_s`` and ``metrics`` as ``hetdp.DDP`` takes them (None:
+        ``hetdp run``'s ``--allocation`` / ``--sync``, else adaptive and allreduce); ``kwargs`` as
+        ``DDPStrategy`` takes them (its DDP options go to ``hetdp.DDP``)."""
+        super().__init__(**kwargs)
+        self.allocation = allocation
+        self.sync = sync
+        self.step_timeout_s = step_timeout_s
+        self.metrics = metrics
+        self.loader: LoopLoader | None = None
+        """The training loader as re-cut, once Lightning asked for it."""
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        device_ids = self.determine_ddp_device_ids()
+        stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else contextlib.nullcontext()
+        with stream:  # as DDPStrategy does
+            return DistributedDataParallel(model, self.allocation, self.sync, step_timeout_s=self.step_timeout_s,
+                                           metrics=self.metrics, device_ids=device_ids, **self._ddp_kwargs)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, _Steps) for c in trainer.callbacks):
+            trainer.callbacks.append(_Steps(self))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Re-cut the training loader by the shares; leave every other loader as it is."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (trainer is None or trainer.state.stage != RunningStage.TRAINING
+                or not isinstance(self.model, DistributedDataParallel)):
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise ConfigError(f"strategy='hetdp' re-cuts a torch DataLoader, got a {type(dataloader).__name__} "
+                              "as the training loader")
+        self.loader = LoopLoader(self.model.allocate(dataloader))
+        return self.loader
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce as DDPStrategy does, but take the mean of integers as a float: ``self.log``'s epoch means divide by
+        the mean of the ranks' sample counts, which unequal shares make fractional (DDP would floor it: 50 samples
+        on 4 ranks read as 12 a rank, and the mean loss came out 4% high)."""
+        mean = reduce_op is not None and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg")
+        if isinstance(tensor, torch.Tensor) and mean and not tensor.is_floating_point():
+            tensor = tensor.double()
+        return super().reduce(tensor, group, reduce_op)
+
+    def teardown(self) -> None:
+        model = self.model
+        super().teardown()
+        if isinstance(model, DistributedDataParallel):
+            model.close()
+
+
+class _Steps(Callback):
+    """Opens a step before each training batch, closes it after its optimizer step, and the epoch after its last;
+    sends each epoch's figures to Lightning's loggers."""
+
+    def __init__(self, strategy: HetdpStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.strategy.loader is None:
+            return
+        ticket = self.strategy.loader.begin_batch()
+        if ticket.samples == 0 and trainer._results is not None:
+            # self.log weighs epoch means by the batch's size: a one-sample stand-in (weighted 0 in the gradient)
+            # counts for nothing there either.
+            trainer._results.batch_size = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.strategy.loader is not None:
+            self.strategy.loader.end_batch()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = self.strategy.loader.end_epoch() if self.strategy.loader is not None else None
+        if report is not None:
+            pl_module.log_dict(_figures(report), on_step=False, on_epoch=True, sync_dist=True)  # equal on all ranks
+            if trainer.is_global_zero:
+                log.info("epoch %d: shares %s; %s", report.epoch, report.shares, report.diagnosis())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.strategy.loader is not None:
+            self.strategy.loader.end_epoch()  # a run stopped inside an epoch (max_steps)
+
+
+def _figures(report: EpochReport) -> dict[str, float]:
+    """An epoch's figures as Lightning metrics (identical on every rank)."""
+    figures = {"hetdp/epoch_s": report.epoch_s}
+    for rank, (share, compute, wait) in enumerate(zip(report.shares, report.compute_s, report.wait_s)):
+        figures |= {f"hetdp/share_{rank}": float(share), f"hetdp/compute_s_{rank}": compute,
+                    f"hetdp/wait_s_{rank}": wait}
+    return figures
+
+
+if HetdpStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(HetdpStrategy.strategy_name, HetdpStrategy,
+                              description="hetdp.DDP: ranks train unequal shares of every step, sized by speed")

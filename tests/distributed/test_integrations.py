@@ -1,0 +1,206 @@
+"""The framework adapters (hetdp.integrations) with real processes over gloo, launched as users launch them."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetdp.cluster.emulate import Emulation
+from hetdp.train.loader import StepSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from dropin_worker import Pairs, make_model  # noqa: E402
+
+RANKS = 4
+EMULATION = Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=1.0)
+
+
+def launch(torchrun, worker: str, out: Path, scenario: str, env: dict | None = None) -> list[dict]:
+    torchrun(worker, RANKS, "--out", out, "--scenario", scenario, env=env, timeout_s=300)
+    prefix = worker.removesuffix("_worker.py")
+    return [json.loads((out / f"{prefix}_{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3
+              ) -> tuple[dict[str, torch.Tensor], float]:
+    """One process on the union of the ranks' batches in the order of sampler seed ``seed``: the mean loss over each
+    global batch, ``every`` batches accumulated per AdamW step (and the epoch's last, as Lightning and Accelerate
+    do), clipped at 0.5, a OneCycle schedule of ``total_steps`` if given; returns the parameters and the last
+    epoch's mean loss over its samples."""
+    model = make_model(7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = (None if total_steps is None else
+                 torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total_steps))
+    data = Pairs(size)
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
+                          drop_last=False)
+    steps = math.ceil(size / global_batch)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order, loss_sum = sampler.permutation(), 0.0
+        for i in range(steps):
+            index = torch.tensor(order[i * global_batch : (i + 1) * global_batch])
+            output = model(data.x[index])
+            loss_sum += nn.functional.cross_entropy(output, data.y[index], reduction="sum").item()
+            (nn.functional.cross_entropy(output, data.y[index]) / every).backward()
+            if (i + 1) % every == 0 or i == steps - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+    return model.state_dict(), loss_sum / size
+
+
+@pytest.fixture(scope="module")
+def lightning_exact(tmp_path_factory, torchrun) -> tuple[list[dict], Path]:
+    pytest.importorskip("lightning")
+    out = tmp_path_factory.mktemp("lightning")
+    return launch(torchrun, "lightning_worker.py", out, "exact"), out
+
+
+def test_lightning_unequal_shares_train_as_one_process_on_the_global_batch(lightning_exact):
+    # AdamW + a OneCycle schedule sized by estimated_stepping_batches, clipping and accumulate_grad_batches=2 on the
+    # Trainer; static shares 1:2:3:2 of 16 samples, and a last step of 2 samples where ranks 0 and 3 run stand-ins.
+    results, out = lightning_exact
+    blocks = results[0]["blocks"]
+    assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
+    expected, _ = reference(50, 16, 2, every=2, total_steps=4)
+    for name, tensor in torch.load(out / "lightning_exact.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_lightning_sees_plain_ddps_batch_count_and_leaves_validation_untouched(lightning_exact):
+    results, _ = lightning_exact
+    for result in results:
+        # Every rank: 4 batches an epoch (50 samples, 4 a rank as DDP would cut them), 2 optimizer steps an epoch.
+        assert result["batches"] == 4 and result["stepping_batches"] == 4, result
+        # The validation loader is Lightning's own: 40 samples over 4 ranks in batches of 5, after 2 sanity batches.
+        assert result["val_batches"] == [5] * 6, result["val_batches"]
+        assert result["epochs"] == 2 and result["closed"]  # every epoch closed, the model released at teardown
+
+
+def test_lightning_epoch_means_weigh_samples_and_not_a_stand_in(lightning_exact):
+    # self.log(..., on_epoch=True, sync_dist=True) weighs by batch size: the stand-in batches of the last step (one
+    # sample each on ranks 0 and 3, weighted 0 in the gradient) count for nothing, so the epoch's mean is the
+    # reference's mean loss over the epoch's 50 samples.
+    results, _ = lightning_exact
+    _, mean_loss = reference(50, 16, 2, every=2, total_steps=4)
+    assert results[0]["metrics"]["train_loss"] == pytest.approx(mean_loss, abs=1e-5)
+
+
+def test_lightning_loggers_receive_the_epochs_figures(lightning_exact):
+    metrics = lightning_exact[0][0]["metrics"]
+    assert [metrics[f"hetdp/share_{rank}"] for rank in range(RANKS)] == [2.0, 4.0, 6.0, 4.0]
+    assert metrics["hetdp/epoch_s"] > 0 and all(metrics[f"hetdp/compute_s_{rank}"] > 0 for rank in range(RANKS))
+
+
+def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
+    pytest.importorskip("lightning")
+    # The emulation reaches the strategy through the environment only (hetdp run sets it): no code.
+    result = launch(torchrun, "lightning_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
+    for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
+        assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+
+
+@pytest.fixture(scope="module")
+def accelerate_exact(tmp_path_factory, torchrun) -> tuple[list[dict], Path]:
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("accelerate")
+    return launch(torchrun, "accelerate_worker.py", out, "exact"), out
+
+
+def test_accelerate_unequal_shares_train_as_one_process_on_the_global_batch(accelerate_exact):
+    # accelerator.accumulate over 2 batches (the epoch's last batch synchronizes), accelerator.backward, clipping when
+    # gradients sync; static shares 1:2:3:2 of 16 samples, a last step of 2 where ranks 0 and 3 run stand-ins. Had
+    # Accelerate's BatchSamplerShard re-sharded the re-cut batches, the ranks would not cover the global batches.
+    results, out = accelerate_exact
+    blocks = results[0]["blocks"]
+    assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
+    expected, _ = reference(50, 16, 2, every=2, seed=results[0]["seed"])  # a RandomSampler's: drawn by rank 0
+    for name, tensor in torch.load(out / "accelerate_exact.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_accelerate_keeps_its_batch_count_and_its_own_evaluation_loader(accelerate_exact):
+    results, _ = accelerate_exact
+    for result in results:
+        assert result["batches"] == 4 and result["epochs"] == 2, result  # Accelerate's 4 batches a process
+        # The evaluation loader (no shuffle) is Accelerate's: gather_for_metrics sees each of its 40 samples once.
+        assert result["evaluation_loader"] == "DataLoaderShard" and result["evaluated"] == 40, result
+
+
+def test_accelerate_refuses_a_second_trainable_model_and_a_comm_hook_of_its_own(accelerate_exact):
+    # Accelerate's prepare_model takes only its built-in comm hooks, and they would replace hetdp's, which weighs
+    # the ranks' shares; one model's shares size its loader's steps.
+    refused = accelerate_exact[0][0]["refused"]
+    assert "comm hook" in refused["comm_hook"] and "one model" in refused["second_model"], refused
+
+
+def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
+    pytest.importorskip("accelerate")
+    result = launch(torchrun, "accelerate_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
+    for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
+        assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+
+
+def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool, seed: int
+                 ) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches: per optimizer step, the sum of the token losses of its
+    ``every`` global batches over their token count (transformers' loss normalization, which counts the labels
+    from the second position on where it sees that the loss shifts them: ``shifted``), clipped at 0.5, SGD."""
+    from transformers_worker import Tokens, make_lm
+
+    model = make_lm(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = Tokens(size)
+    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
+                          drop_last=False)
+    steps = math.ceil(size / global_batch)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        batches = [torch.tensor(order[i * global_batch : (i + 1) * global_batch]) for i in range(steps)]
+        for first in range(0, steps, every):
+            update = batches[first : first + every]
+            tokens = sum(int((data.labels[index][:, int(shifted) :] != -100).sum()) for index in update)
+            for index in update:
+                logits = model(input_ids=data.ids[index], attention_mask=data.mask[index]).logits
+                nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), data.labels[index][:, 1:].flatten(),
+                                            ignore_index=-100, reduction="sum").div(tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_transformers_unequal_shares_count_the_token_normalization_once(tmp_path, torchrun):
+    pytest.importorskip("transformers")
+    # A tiny GPT-2 on sequences of 4 to 12 tokens: transformers divides each rank's loss by the step's token count
+    # over all ranks (average_tokens_across_devices) and scales it by the number of ranks. Weighed again by the
+    # shares, the gradient would count the ranks' shares twice; a stand-in batch's tokens would count too.
+    results = launch(torchrun, "transformers_worker.py", tmp_path, "exact")
+    blocks = results[0]["blocks"]
+    assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
+    for result in results:
+        assert result["batches"] == 4 and result["updates"] == 4 and result["epochs"] == 2 and result["closed"]
+    expected = lm_reference(50, 16, 2, every=2, shifted=results[0]["shifts_labels"], seed=results[0]["seed"])
+    for name, tensor in torch.load(tmp_path / "transformers_exact.pt").items():
+        if name in expected:
+            torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_transformers_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
+    pytest.importorskip("transformers")
+    result = launch(torchrun, "transformers_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
+    for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
+        assert abs(share - ideal) <= 0.2 * ideal, result["shares"]

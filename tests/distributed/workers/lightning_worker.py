@@ -1,0 +1,99 @@
+"""Worker for tests/distributed/test_integrations.py: Lightning's Trainer with strategy="hetdp", one scenario each.
+
+"exact": unequal static shares, AdamW with a OneCycle schedule sized by ``estimated_stepping_batches``, clipping and
+two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
+last step of 2 samples for 4 ranks. "emulated": adaptive shares under ``hetdp run``'s emulation (the environment).
+Rank 0 (or every rank) saves what the test checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from dropin_worker import Pairs, make_model
+from torch import nn
+from torch.utils.data import DataLoader
+
+import hetdp
+from hetdp.integrations.lightning import HetdpStrategy
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.net = make_model(7 + int(os.environ["RANK"]))  # hetdp.DDP starts every rank from rank 0's parameters
+        self.kind = kind
+        self.val_batches: list[int] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_batches.append(len(batch["x"]))
+
+    def on_train_end(self) -> None:
+        # Kept outside the module's attributes (a submodule wrapping its parent would make a cycle), before teardown
+        # unwraps it.
+        self.__dict__["hetdp"] = self.trainer.strategy.model
+
+    def configure_optimizers(self):
+        if self.kind == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.3)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.05, total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def fit(strategy: HetdpStrategy, kind: str, train: DataLoader, val: DataLoader | None, epochs: int,
+        **options) -> tuple[L.Trainer, Classifier]:
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                        strategy=strategy, max_epochs=epochs, enable_checkpointing=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, **options)
+    model = Classifier(kind)
+    trainer.fit(model, train, val)
+    return trainer, model
+
+
+def run(scenario: str, out: Path) -> dict:
+    if scenario == "exact":
+        L.seed_everything(3)  # the seed of Lightning's DistributedSampler: the reference's order
+        train = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=1)
+        val = DataLoader(Pairs(40), batch_size=5)
+        trainer, model = fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), "allreduce"), "adamw", train, val, 2,
+                             gradient_clip_val=0.5, accumulate_grad_batches=2)
+        if trainer.global_rank == 0:
+            torch.save(model.net.state_dict(), out / "lightning_exact.pt")
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        return {"blocks": [f.shares for f in model.hetdp.step_figures], "batches": len(trainer.train_dataloader),
+                "stepping_batches": trainer.estimated_stepping_batches, "val_batches": model.val_batches,
+                "epochs": len(model.hetdp.epoch_reports), "metrics": metrics, "closed": model.hetdp._group is None}
+    if scenario == "emulated":
+        L.seed_everything(0)
+        train = DataLoader(Pairs(2560), batch_size=32, shuffle=True)
+        trainer, model = fit(HetdpStrategy(), "sgd", train, None, 1)
+        report = model.hetdp.epoch_reports[0]
+        return {"shares": report.shares, "replans": report.replans, "speeds": list(model.hetdp.emulation.speeds)}
+    raise SystemExit(f"unknown scenario {scenario}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--scenario", required=True)
+    args = parser.parse_args()
+    result = run(args.scenario, args.out)
+    rank = dist.get_rank()
+    (args.out / f"lightning_{args.scenario}_{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
