@@ -69,8 +69,10 @@ def main() -> None:
                 nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
                 scheduler.step()
-                log.write(f"{launch} {epoch} {model.steps_done} {model.rank} {' '.join(map(str, index.tolist()))}\n")
-                log.flush()
+                if model._open.ticket.samples:  # a rank that sits out trains none: its stand-in batch weighs 0
+                    indices = " ".join(map(str, index.tolist()))
+                    log.write(f"{launch} {epoch} {model.steps_done} {model.rank} {indices}\n")
+                    log.flush()
                 if first_attempt and model.rank == args.die_rank and model.steps_done + 1 == args.die_at:
                     os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
     if model.rank == 0:
