@@ -2,8 +2,10 @@
 
 "exact": unequal static shares, AdamW with a OneCycle schedule sized by ``estimated_stepping_batches``, clipping and
 two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
-last step of 2 samples for 4 ranks. "emulated": adaptive shares under ``hetdp run``'s emulation (the environment).
-Rank 0 (or every rank) saves what the test checks.
+last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mixed"``. "interrupted": that fit,
+stopped after its third optimizer step (inside the second epoch), where a ``ModelCheckpoint`` saved; "resumed": a
+new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s emulation (the
+environment). Rank 0 (or every rank) saves what the test checks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 import torch.distributed as dist
 from dropin_worker import Pairs, make_model
 from torch import nn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import hetdp
+from hetdp.errors import ConfigError
 from hetdp.integrations.lightning import HetdpStrategy
 
 
@@ -30,6 +34,7 @@ class Classifier(L.LightningModule):
         self.net = make_model(7 + int(os.environ["RANK"]))  # hetdp.DDP starts every rank from rank 0's parameters
         self.kind = kind
         self.val_batches: list[int] = []
+        self.refused = ""
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])
@@ -38,6 +43,12 @@ class Classifier(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.val_batches.append(len(batch["x"]))
+
+    def on_train_start(self) -> None:
+        try:  # hetdp's step checkpoints, which hold none of Lightning's loop state
+            self.trainer.strategy.model.checkpointer("unused", self.trainer.optimizers[0], every=1)
+        except ConfigError as error:
+            self.refused = str(error)
 
     def on_train_end(self) -> None:
         # Kept outside the module's attributes (a submodule wrapping its parent would make a cycle), before teardown
@@ -53,29 +64,61 @@ class Classifier(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class StopAfter(Callback):
+    """Stops the fit after its ``steps``-th optimizer step: an interruption, right after a checkpoint."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.steps:
+            trainer.should_stop = True
+
+
 def fit(strategy: HetdpStrategy, kind: str, train: DataLoader, val: DataLoader | None, epochs: int,
-        **options) -> tuple[L.Trainer, Classifier]:
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=strategy, max_epochs=epochs, enable_checkpointing=False, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, **options)
+        ckpt_path: Path | None = None, **options) -> tuple[L.Trainer, Classifier]:
+    options = {"enable_checkpointing": False, **options}
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                        max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        **options)
     model = Classifier(kind)
-    trainer.fit(model, train, val)
+    trainer.fit(model, train, val, ckpt_path=ckpt_path)
     return trainer, model
+
+
+def fit_exact(workers: int = 0, **options) -> tuple[L.Trainer, Classifier]:
+    """The exact scenario's fit: 2 epochs of 4 batches (50 samples, 4 a rank), 2 accumulated per AdamW step."""
+    L.seed_everything(3)  # the seed of Lightning's DistributedSampler: the reference's order
+    train = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=workers)
+    val = DataLoader(Pairs(40), batch_size=5)
+    return fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), "allreduce"), "adamw", train, val, 2,
+               gradient_clip_val=0.5, accumulate_grad_batches=2, **options)
 
 
 def run(scenario: str, out: Path) -> dict:
     if scenario == "exact":
-        L.seed_everything(3)  # the seed of Lightning's DistributedSampler: the reference's order
-        train = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=1)
-        val = DataLoader(Pairs(40), batch_size=5)
-        trainer, model = fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), "allreduce"), "adamw", train, val, 2,
-                             gradient_clip_val=0.5, accumulate_grad_batches=2)
+        trainer, model = fit_exact(workers=1)
         if trainer.global_rank == 0:
             torch.save(model.net.state_dict(), out / "lightning_exact.pt")
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-        return {"blocks": [f.shares for f in model.hetdp.step_figures], "batches": len(trainer.train_dataloader),
+        _, bf16 = fit_exact(precision="bf16-mixed")
+        if trainer.global_rank == 0:
+            torch.save(bf16.net.state_dict(), out / "lightning_bf16.pt")
+        return {"bf16_blocks": [f.shares for f in bf16.hetdp.step_figures],
+                "blocks": [f.shares for f in model.hetdp.step_figures], "batches": len(trainer.train_dataloader),
                 "stepping_batches": trainer.estimated_stepping_batches, "val_batches": model.val_batches,
                 "epochs": len(model.hetdp.epoch_reports), "metrics": metrics, "closed": model.hetdp._group is None}
+    if scenario == "interrupted":
+        saving = ModelCheckpoint(dirpath=out, filename="interrupted", every_n_train_steps=3, save_top_k=-1)
+        trainer, model = fit_exact(enable_checkpointing=True, callbacks=[StopAfter(3), saving])
+        return {"blocks": [f.shares for f in model.hetdp.step_figures], "global_step": trainer.global_step}
+    if scenario == "resumed":
+        saved = torch.load(out / "interrupted.ckpt", weights_only=False)
+        trainer, model = fit_exact(ckpt_path=out / "interrupted.ckpt")
+        if trainer.global_rank == 0:
+            torch.save(model.net.state_dict(), out / "lightning_resumed.pt")
+        return {"blocks": [f.shares for f in model.hetdp.step_figures], "saved": saved["hetdp"]["position"],
+                "steps_done": model.hetdp.steps_done, "global_step": trainer.global_step, "refused": model.refused}
     if scenario == "emulated":
         L.seed_everything(0)
         train = DataLoader(Pairs(2560), batch_size=32, shuffle=True)
