@@ -2,9 +2,9 @@
 
 "exact": unequal static shares, AdamW with a OneCycle schedule sized by ``estimated_stepping_batches``, clipping and
 two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
-last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mixed"``. "interrupted": that fit,
-stopped after its third optimizer step (inside the second epoch), where a ``ModelCheckpoint`` saved; "resumed": a
-new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s emulation (the
+last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mixed"``. "interrupted": that fit
+with an optimizer step per batch, stopped after its fifth (the second epoch's first), where a ``ModelCheckpoint``
+saved; "resumed": a new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s emulation (the
 environment). Rank 0 (or every rank) saves what the test checks.
 """
 
@@ -86,13 +86,13 @@ def fit(strategy: HetdpStrategy, kind: str, train: DataLoader, val: DataLoader |
     return trainer, model
 
 
-def fit_exact(workers: int = 0, **options) -> tuple[L.Trainer, Classifier]:
-    """The exact scenario's fit: 2 epochs of 4 batches (50 samples, 4 a rank), 2 accumulated per AdamW step."""
+def fit_exact(workers: int = 0, accumulate: int = 2, **options) -> tuple[L.Trainer, Classifier]:
+    """The exact scenario's fit: 2 epochs of 4 batches (50 samples, 4 a rank), ``accumulate`` per AdamW step."""
     L.seed_everything(3)  # the seed of Lightning's DistributedSampler: the reference's order
     train = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=workers)
     val = DataLoader(Pairs(40), batch_size=5)
     return fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), "allreduce"), "adamw", train, val, 2,
-               gradient_clip_val=0.5, accumulate_grad_batches=2, **options)
+               gradient_clip_val=0.5, accumulate_grad_batches=accumulate, **options)
 
 
 def run(scenario: str, out: Path) -> dict:
@@ -109,12 +109,12 @@ def run(scenario: str, out: Path) -> dict:
                 "stepping_batches": trainer.estimated_stepping_batches, "val_batches": model.val_batches,
                 "epochs": len(model.hetdp.epoch_reports), "metrics": metrics, "closed": model.hetdp._group is None}
     if scenario == "interrupted":
-        saving = ModelCheckpoint(dirpath=out, filename="interrupted", every_n_train_steps=3, save_top_k=-1)
-        trainer, model = fit_exact(enable_checkpointing=True, callbacks=[StopAfter(3), saving])
+        saving = ModelCheckpoint(dirpath=out, filename="interrupted", every_n_train_steps=5, save_top_k=-1)
+        trainer, model = fit_exact(accumulate=1, enable_checkpointing=True, callbacks=[StopAfter(5), saving])
         return {"blocks": [f.shares for f in model.hetdp.step_figures], "global_step": trainer.global_step}
     if scenario == "resumed":
         saved = torch.load(out / "interrupted.ckpt", weights_only=False)
-        trainer, model = fit_exact(ckpt_path=out / "interrupted.ckpt")
+        trainer, model = fit_exact(accumulate=1, ckpt_path=out / "interrupted.ckpt")
         if trainer.global_rank == 0:
             torch.save(model.net.state_dict(), out / "lightning_resumed.pt")
         return {"blocks": [f.shares for f in model.hetdp.step_figures], "saved": saved["hetdp"]["position"],
