@@ -158,6 +158,9 @@ def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_e
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+    # trainer.save_checkpoint after the fit holds the allocation: a fit resumed from it (ckpt_path, one more epoch)
+    # starts at the shares learned, not at equal ones to learn again.
+    assert result["resumed_first"] == result["shares"] and result["resumed_epochs"] == 1, result
 
 
 @pytest.fixture(scope="module")

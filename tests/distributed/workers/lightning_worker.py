@@ -4,8 +4,9 @@
 two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
 last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mixed"``. "interrupted": that fit
 with an optimizer step per batch, stopped after its fifth (the second epoch's first), where a ``ModelCheckpoint``
-saved; "resumed": a new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s emulation (the
-environment). Rank 0 (or every rank) saves what the test checks.
+saved; "resumed": a new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s
+emulation (the environment), saved after the fit and resumed for a second epoch. Rank 0 (or every rank) saves what the
+test checks.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ def run(scenario: str, out: Path) -> dict:
         train = DataLoader(Pairs(2560), batch_size=32, shuffle=True)
         trainer, model = fit(HetdpStrategy(), "sgd", train, None, 1)
         report = model.hetdp.epoch_reports[0]
-        return {"shares": report.shares, "replans": report.replans, "speeds": list(model.hetdp.emulation.speeds)}
+        trainer.save_checkpoint(out / "emulated.ckpt")  # after the fit, as a script saves its model
+        _, resumed = fit(HetdpStrategy(), "sgd", train, None, 2, ckpt_path=out / "emulated.ckpt")
+        return {"shares": report.shares, "replans": report.replans, "speeds": list(model.hetdp.emulation.speeds),
+                "resumed_first": resumed.hetdp.step_figures[0].shares,
+                "resumed_epochs": len(resumed.hetdp.epoch_reports)}
     raise SystemExit(f"unknown scenario {scenario}")
 
 
