@@ -151,6 +151,14 @@ def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterr
     assert "ModelCheckpoint" in results[0]["refused"] and "ckpt_path" in results[0]["refused"], results[0]
 
 
+def test_lightning_checkpoint_under_local_sgd_holds_the_model_every_rank_holds(tmp_path, torchrun):
+    pytest.importorskip("lightning")
+    # Under local SGD the replicas train apart until the epoch ends; a ModelCheckpoint inside the epoch makes them
+    # meet first, so the file holds the one model every rank then continues from (rank 0's alone otherwise).
+    results = launch(torchrun, "lightning_worker.py", tmp_path, "local")
+    assert [result["saved_gap"] for result in results] == [0.0] * RANKS, results
+
+
 def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
     pytest.importorskip("lightning")
     # The emulation reaches the strategy through the environment only (hetdp run sets it): no code.

@@ -4,9 +4,10 @@
 two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
 last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mixed"``. "interrupted": that fit
 with an optimizer step per batch, stopped after its fifth (the second epoch's first), where a ``ModelCheckpoint``
-saved; "resumed": a new launch that resumes it with ``ckpt_path``. "emulated": adaptive shares under ``hetdp run``'s
-emulation (the environment), saved after the fit and resumed for a second epoch. Rank 0 (or every rank) saves what the
-test checks.
+saved; "resumed": a new launch that resumes it with ``ckpt_path``; "local": the interrupted fit under local SGD
+(replicas apart until the epoch ends), each rank comparing its parameters with the checkpoint. "emulated": adaptive
+shares under ``hetdp run``'s emulation (the environment), saved after the fit and resumed for a second epoch. Rank 0
+(or every rank) saves what the test checks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Classifier(L.LightningModule):
         self.kind = kind
         self.val_batches: list[int] = []
         self.refused = ""
+        self.checked_at: int | None = None
+        """A global step after which this rank compares its parameters with the checkpoint saved there."""
+        self.saved_gap: float | None = None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])
@@ -50,6 +54,12 @@ class Classifier(L.LightningModule):
             self.trainer.strategy.model.checkpointer("unused", self.trainer.optimizers[0], every=1)
         except ConfigError as error:
             self.refused = str(error)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # After every callback's, the ModelCheckpoint's save included (Lightning runs the module's hook last).
+        if self.checked_at is not None and self.trainer.global_step == self.checked_at:
+            saved = torch.load(self.trainer.checkpoint_callback.best_model_path, weights_only=False)["state_dict"]
+            self.saved_gap = max((saved[name] - value).abs().max().item() for name, value in self.state_dict().items())
 
     def on_train_end(self) -> None:
         # Kept outside the module's attributes (a submodule wrapping its parent would make a cycle), before teardown
@@ -77,22 +87,24 @@ class StopAfter(Callback):
 
 
 def fit(strategy: HetdpStrategy, kind: str, train: DataLoader, val: DataLoader | None, epochs: int,
-        ckpt_path: Path | None = None, **options) -> tuple[L.Trainer, Classifier]:
+        ckpt_path: Path | None = None, checked_at: int | None = None, **options) -> tuple[L.Trainer, Classifier]:
     options = {"enable_checkpointing": False, **options}
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
                         max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         **options)
     model = Classifier(kind)
+    model.checked_at = checked_at
     trainer.fit(model, train, val, ckpt_path=ckpt_path)
     return trainer, model
 
 
-def fit_exact(workers: int = 0, accumulate: int = 2, **options) -> tuple[L.Trainer, Classifier]:
+def fit_exact(workers: int = 0, accumulate: int = 2, sync: str = "allreduce", **options
+              ) -> tuple[L.Trainer, Classifier]:
     """The exact scenario's fit: 2 epochs of 4 batches (50 samples, 4 a rank), ``accumulate`` per AdamW step."""
     L.seed_everything(3)  # the seed of Lightning's DistributedSampler: the reference's order
     train = DataLoader(Pairs(50), batch_size=4, shuffle=True, num_workers=workers)
     val = DataLoader(Pairs(40), batch_size=5)
-    return fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), "allreduce"), "adamw", train, val, 2,
+    return fit(HetdpStrategy(hetdp.Static((1.0, 2.0, 3.0, 2.0)), sync), "adamw", train, val, 2,
                gradient_clip_val=0.5, accumulate_grad_batches=accumulate, **options)
 
 
@@ -113,6 +125,11 @@ def run(scenario: str, out: Path) -> dict:
         saving = ModelCheckpoint(dirpath=out, filename="interrupted", every_n_train_steps=5, save_top_k=-1)
         trainer, model = fit_exact(accumulate=1, enable_checkpointing=True, callbacks=[StopAfter(5), saving])
         return {"blocks": [f.shares for f in model.hetdp.step_figures], "global_step": trainer.global_step}
+    if scenario == "local":
+        saving = ModelCheckpoint(dirpath=out, filename="local", every_n_train_steps=5, save_top_k=-1)
+        _, model = fit_exact(accumulate=1, sync="local", enable_checkpointing=True, checked_at=5,
+                             callbacks=[StopAfter(5), saving])
+        return {"saved_gap": model.saved_gap}
     if scenario == "resumed":
         saved = torch.load(out / "interrupted.ckpt", weights_only=False)
         trainer, model = fit_exact(accumulate=1, ckpt_path=out / "interrupted.ckpt")
