@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hetdp.cluster.emulate import Emulation
+from hetdp.allocate.sampler import split_step
 from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -19,6 +20,7 @@ from dropin_worker import Pairs, make_model  # noqa: E402
 
 RANKS = 4
 EMULATION = Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=1.0)
+BF16_ATOL = 4e-3
 
 
 def launch(torchrun, worker: str, out: Path, scenario: str, env: dict | None = None) -> list[dict]:
@@ -27,12 +29,14 @@ def launch(torchrun, worker: str, out: Path, scenario: str, env: dict | None = N
     return [json.loads((out / f"{prefix}_{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
 
 
-def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3
-              ) -> tuple[dict[str, torch.Tensor], float]:
+def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3,
+              bf16: bool = False, rank_means: list[int] | None = None) -> tuple[dict[str, torch.Tensor], float]:
     """One process on the union of the ranks' batches in the order of sampler seed ``seed``: the mean loss over each
     global batch, ``every`` batches accumulated per AdamW step (and the epoch's last, as Lightning and Accelerate
-    do), clipped at 0.5, a OneCycle schedule of ``total_steps`` if given; returns the parameters and the last
-    epoch's mean loss over its samples."""
+    do), clipped at 0.5, a OneCycle schedule of ``total_steps`` if given, the forward under CPU autocast to bfloat16
+    if ``bf16``; with ``rank_means`` (shares), the loss is instead the mean of the ranks' mean losses over the blocks
+    those shares cut (the weighting plain DDP gives unequal shares: wrong); returns the parameters and the last epoch's
+    mean loss over its samples."""
     model = make_model(7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = (None if total_steps is None else
@@ -46,9 +50,15 @@ def reference(size: int, global_batch: int, epochs: int, every: int, total_steps
         order, loss_sum = sampler.permutation(), 0.0
         for i in range(steps):
             index = torch.tensor(order[i * global_batch : (i + 1) * global_batch])
-            output = model(data.x[index])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                output = model(data.x[index])
             loss_sum += nn.functional.cross_entropy(output, data.y[index], reduction="sum").item()
-            (nn.functional.cross_entropy(output, data.y[index]) / every).backward()
+            loss = nn.functional.cross_entropy(output, data.y[index])
+            if rank_means is not None:
+                blocks = split_step(rank_means, len(index))
+                loss = torch.stack([nn.functional.cross_entropy(o, y) for o, y in
+                                    zip(output.split(blocks), data.y[index].split(blocks)) if len(y)]).mean()
+            (loss / every).backward()
             if (i + 1) % every == 0 or i == steps - 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 optimizer.step()
@@ -101,6 +111,54 @@ def test_lightning_loggers_receive_the_epochs_figures(lightning_exact):
     assert metrics["hetdp/epoch_s"] > 0 and all(metrics[f"hetdp/compute_s_{rank}"] > 0 for rank in range(RANKS))
 
 
+def test_lightning_bf16_mixed_precision_keeps_the_exact_gradient_weighting(lightning_exact):
+    # precision="bf16-mixed" (CPU autocast) is Lightning's plugin, untouched: the forward runs in bfloat16, the
+    # gradients and hetdp's share weighting in float32. Against one process under the same autocast on the same
+    # global batches, the parameters differ by bfloat16's rounding of forwards on other batch shapes (a rank's
+    # block, not the global batch): 1.1e-3 here. Plain DDP's weighting of the unequal shares (the mean of the ranks'
+    # means) moves them 1.3e-2 from the exact gradient's run: the bound tells the two apart, with room for another
+    # CPU's bfloat16 kernels. (AdamW's normalized steps and clipping keep both gaps small.)
+    results, out = lightning_exact
+    assert results[0]["bf16_blocks"] == results[0]["blocks"]
+    expected, _ = reference(50, 16, 2, every=2, total_steps=4, bf16=True)
+    ddp_weighting, _ = reference(50, 16, 2, every=2, total_steps=4, bf16=True, rank_means=[2, 4, 6, 4])
+    trained = torch.load(out / "lightning_bf16.pt")
+    gap = max((trained[name] - expected[name]).abs().max().item() for name in expected)
+    wrong = max((ddp_weighting[name] - expected[name]).abs().max().item() for name in expected)
+    assert gap <= BF16_ATOL < wrong / 2, (gap, wrong)
+
+
+def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterrupted_run_ends(tmp_path, torchrun):
+    pytest.importorskip("lightning")
+    # The exact scenario's fit with an AdamW step per batch (8 steps, the OneCycle schedule over 8): a
+    # ModelCheckpoint(every_n_train_steps=5) saves after the fifth, the second epoch's first batch, and the fit stops
+    # there; a second launch resumes with trainer.fit(ckpt_path=...). The checkpoint holds hetdp's state ("hetdp":
+    # shares, steps done, position); the re-cut loader continues the epoch at its batch 1, so the resumed run trains
+    # the epoch's last three steps (the last one of 2 samples, stand-ins on ranks 0 and 3) and ends where one process
+    # running the 8 steps uninterrupted ends (which the exact scenario's hetdp run matches). A loader restarted at the
+    # epoch's first batch would train batch 0 again, and one reporting only the batches left would end Lightning's
+    # epoch a batch early.
+    interrupted = launch(torchrun, "lightning_worker.py", tmp_path, "interrupted")[0]
+    assert interrupted["global_step"] == 5 and len(interrupted["blocks"]) == 5, interrupted
+    results = launch(torchrun, "lightning_worker.py", tmp_path, "resumed")
+    for result in results:
+        assert result["saved"] == [1, 1] and result["steps_done"] == 8 and result["global_step"] == 8, result
+    assert results[0]["blocks"] == [[2, 4, 6, 4]] * 2 + [[0, 1, 1, 0]], results[0]["blocks"]
+    expected, _ = reference(50, 16, 2, every=1, total_steps=8)
+    for name, tensor in torch.load(tmp_path / "lightning_resumed.pt").items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+    # hetdp's own step checkpoints hold none of Lightning's loop state: one ConfigError naming Lightning's.
+    assert "ModelCheckpoint" in results[0]["refused"] and "ckpt_path" in results[0]["refused"], results[0]
+
+
+def test_lightning_checkpoint_under_local_sgd_holds_the_model_every_rank_holds(tmp_path, torchrun):
+    pytest.importorskip("lightning")
+    # Under local SGD the replicas train apart until the epoch ends; a ModelCheckpoint inside the epoch makes them
+    # meet first, so the file holds the one model every rank then continues from (rank 0's alone otherwise).
+    results = launch(torchrun, "lightning_worker.py", tmp_path, "local")
+    assert [result["saved_gap"] for result in results] == [0.0] * RANKS, results
+
+
 def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
     pytest.importorskip("lightning")
     # The emulation reaches the strategy through the environment only (hetdp run sets it): no code.
@@ -108,6 +166,9 @@ def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_e
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+    # trainer.save_checkpoint after the fit holds the allocation: a fit resumed from it (ckpt_path, one more epoch)
+    # starts at the shares learned, not at equal ones to learn again.
+    assert result["resumed_first"] == result["shares"] and result["resumed_epochs"] == 1, result
 
 
 @pytest.fixture(scope="module")

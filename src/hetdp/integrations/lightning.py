@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,14 @@ class HetdpStrategy(DDPStrategy):
     plugins are Lightning's own. Each epoch's figures reach Lightning's loggers as
     ``hetdp/...`` metrics, its diagnosis the ``hetdp`` logger.
 
+    Lightning's checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``) hold
+    ``model.hetdp_state_dict()`` under ``"hetdp"``: the allocation and the position in
+    the epoch. ``trainer.fit(..., ckpt_path=...)`` restores it once the training loader
+    is re-cut, and a checkpoint taken inside an epoch continues that epoch at the
+    step after the one saved, as an uninterrupted run would. hetdp's own step
+    checkpoints (``model.checkpointer``) are refused: they hold none of Lightning's
+    loop state.
+
     .. warning::
         Every rank must run the same Trainer settings: each step is collective.
         A ``training_step`` that takes ``dataloader_iter`` is not supported (the
@@ -68,20 +78,24 @@ class HetdpStrategy(DDPStrategy):
         self.sync = sync
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics
-        self.loader: LoopLoader | None = None
+        self.loader: _ResumableLoader | None = None
         """The training loader as re-cut, once Lightning asked for it."""
+        self._resumed: dict[str, Any] | None = None
+        """hetdp's state in the checkpoint a fit resumes from, until the training loader is re-cut."""
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         device_ids = self.determine_ddp_device_ids()
         stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else contextlib.nullcontext()
         with stream:  # as DDPStrategy does
-            return DistributedDataParallel(model, self.allocation, self.sync, step_timeout_s=self.step_timeout_s,
-                                           metrics=self.metrics, device_ids=device_ids, **self._ddp_kwargs)
+            return _LightningDDP(model, self.allocation, self.sync, step_timeout_s=self.step_timeout_s,
+                                 metrics=self.metrics, device_ids=device_ids, **self._ddp_kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, _Steps) for c in trainer.callbacks):
-            trainer.callbacks.append(_Steps(self))
+            # First: a step closes before any other callback's on_train_batch_end, so that a ModelCheckpoint saving
+            # there (Lightning puts it last) records the step as done, as its loop state does.
+            trainer.callbacks.insert(0, _Steps(self))
 
     def process_dataloader(self, dataloader: object) -> object:
         """Re-cut the training loader by the shares; leave every other loader as it is."""
@@ -92,8 +106,36 @@ class HetdpStrategy(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             raise ConfigError(f"strategy='hetdp' re-cuts a torch DataLoader, got a {type(dataloader).__name__} "
                               "as the training loader")
-        self.loader = LoopLoader(self.model.allocate(dataloader))
+        self.loader = _ResumableLoader(self.model.allocate(dataloader))
+        if self._resumed is not None:
+            self.model.load_hetdp_state_dict(self._resumed)  # the shares, steps done and where the epoch continues
+            self._resumed = None
         return self.loader
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's parameters, after the ranks met (collective, as Lightning's checkpointing is): under partial
+        or local synchronization the replicas may differ between meetings, and rank 0's would be saved alone."""
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.synchronize()
+        return super().lightning_module_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+                        ) -> None:
+        """Save Lightning's checkpoint with ``model.hetdp_state_dict()`` under ``"hetdp"`` (every rank calls it)."""
+        if self.loader is not None:
+            checkpoint = {**checkpoint, "hetdp": self.loader.model.hetdp_state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint; keep hetdp's state in it for the fit that resumes from it."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resumed = checkpoint.get("hetdp")
+            if self._resumed is None:
+                log.warning("%s holds no hetdp state (saved under another strategy): the shares start afresh, and "
+                            "an epoch it saved inside starts over at its first batch", checkpoint_path)
+        return checkpoint
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Reduce as DDPStrategy does, but take the mean of integers as a float: ``self.log``'s epoch means divide by
@@ -109,6 +151,38 @@ class HetdpStrategy(DDPStrategy):
         super().teardown()
         if isinstance(model, DistributedDataParallel):
             model.close()
+        self._resumed = None
+
+
+class _LightningDDP(DistributedDataParallel):
+    """``hetdp.DDP`` as the strategy wraps the LightningModule: hetdp's step checkpoints are refused."""
+
+    def checkpointer(self, *args: Any, **kwargs: Any) -> Any:
+        """Refuse: a step checkpoint holds the module, optimizer and hetdp's position, but none of Lightning's loop
+        state (epoch and step counters, schedulers' configuration, callbacks), so a resumed Trainer would restart
+        its loops at epoch 0 while the data continued elsewhere."""
+        raise ConfigError("hetdp's step checkpoints (model.checkpointer) do not hold Lightning's loop state: under "
+                          "strategy='hetdp' use Lightning's ModelCheckpoint(every_n_train_steps=K) or "
+                          "trainer.save_checkpoint, and trainer.fit(..., ckpt_path=...) to resume (they hold hetdp's "
+                          "allocation and position too)")
+
+
+class _ResumableLoader(LoopLoader):
+    """The re-cut training loader as Lightning sees it: resumable in Lightning's sense (``state_dict`` /
+    ``load_state_dict``), so that a fit restarted inside an epoch continues its order at the saved step."""
+
+    def __len__(self) -> int:
+        # The whole epoch's batches, those a resumed epoch skips included: Lightning counts a resumed epoch's batches
+        # from the number it had done (its fetcher and loop progress start there).
+        return self.allocated.sampler.steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch continues: (epoch, steps of it done); kept with Lightning's fit loop state."""
+        return {"position": list(self.model.hetdp_state_dict()["position"])}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the epoch at the saved step (Lightning restores this when it restarts inside an epoch)."""
+        self.allocated.sampler.resume_at(*state["position"])
 
 
 class _Steps(Callback):
