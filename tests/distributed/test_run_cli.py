@@ -22,6 +22,7 @@ def test_hetdp_run_trains_the_example_and_resumes_from_its_checkpoint(tmp_path):
 
 PLAIN_DDP_SCRIPT = """
 import torch
+import torch._dynamo  # before the group: imported later, it keeps gloo alive into exit (see hetdp.runtime)
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

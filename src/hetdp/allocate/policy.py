@@ -409,12 +409,19 @@ class Allocator:
         self.sat_out = decision.sat_out
         if list(decision.members) == self.members or self.total < self.minimum * len(decision.members):
             return False
+        if self.caps is not None and not self._fits(decision.members):
+            return False  # the members' memory caps could not hold a step: nobody leaves
         self.members = list(decision.members)
         self.adaptive = self._rule(self.members, [1.0 / seconds if seconds else 1.0 for seconds in self.sample_s])
         self.shares = self._full(self.adaptive.shares)
         self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
         self.replans += 1
         return True
+
+    def _fits(self, members: Sequence[int]) -> bool:
+        """Whether ``members`` alone can hold a step of ``total`` samples under their memory caps (None: no cap)."""
+        caps = [self.caps[rank] for rank in members]  # type: ignore[index]
+        return any(cap is None for cap in caps) or sum(caps) >= self.total  # type: ignore[arg-type]
 
     def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
         """Measure a window of steps (each rank's per-step seconds, ranks x steps) and re-plan from it."""
