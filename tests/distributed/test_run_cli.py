@@ -30,8 +30,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 dist.init_process_group("gloo")
 model = DDP(torch.nn.Linear(2, 1))
 data = TensorDataset(torch.randn(32, 2))
-for (x,) in DataLoader(data, batch_size=4, sampler=DistributedSampler(data)):
-    model(x).sum().backward()
+with torch.no_grad():
+    for (x,) in DataLoader(data, batch_size=4, sampler=DistributedSampler(data)):
+        model(x)
+dist.barrier()
 dist.destroy_process_group()
 """
 
