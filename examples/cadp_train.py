@@ -7,11 +7,11 @@ One rank per device of the cluster file, rank 0 (the data owner) first:
 By default one machine emulates the described cluster (each sample costs its device's
 batch_time_s / batch_size, the delivery its link's time); on real machines pass --no-emulate.
 
-C-ADP is three calls: ``hetdp.plan`` (the owner's D_i), ``hetdp.distribute`` (each device
-receives its D_i samples once) and ``hetdp.DDP(net, "equal", "local")`` (local training,
-merged as w = sum_i (D_i / D) w_i at each epoch's end). Each rank's data is its own, so the
-loop cuts its own batches and tells the drop-in each step's samples (``begin_step`` /
-``end_step``). ``hetdp bench cadp`` measures it against DDP and local SGD.
+C-ADP is the data owner plus the drop-in: ``hetdp.plan`` (the owner's D_i), ``hetdp.distribute``
+(each device receives its D_i samples once), ``hetdp.DDP(net, hetdp.Planned(cluster), "local")``
+and ``model.allocate(loader, own_data=True)`` over the samples this device holds: every epoch,
+device i trains all of its samples in batches of its own size (the cluster file's), and the
+models merge as w = sum_i (D_i / D) w_i. ``hetdp bench cadp`` measures it against DDP and local SGD.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 import hetdp
 from hetdp.datasets import load_digits
@@ -51,27 +52,19 @@ def main() -> None:
     sample_ms = [1000 * d.batch_time_s / d.batch_size for d in cluster.devices]
     emulation = hetdp.Emulation(speeds=tuple(max(sample_ms) / ms for ms in sample_ms), sample_cost_ms=max(sample_ms))
 
-    model = hetdp.DDP(ConvNet(), "equal", "local", emulation=emulation if args.emulate else hetdp.Emulation())
+    model = hetdp.DDP(ConvNet(), hetdp.Planned(cluster), "local",
+                      emulation=emulation if args.emulate else hetdp.Emulation())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    images, labels = local.data.tensors
-    sizes = plan.batch_sizes
-    steps = max(-(-n // b) for n, b in zip(plan.samples, sizes))  # every rank takes part in every step
+    loader = model.allocate(DataLoader(local.data, shuffle=True), own_data=True)  # this device's batches
     for epoch in range(args.epochs):
-        model.begin_epoch(epoch)
-        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(epoch))
-        for step in range(steps):
-            batch = order[step * sizes[rank] : (step + 1) * sizes[rank]]
-            model.begin_step(len(batch), sum(min(b, max(0, n - step * b)) for n, b in zip(plan.samples, sizes)))
+        loader.sampler.set_epoch(epoch)
+        for images, labels in loader:
             optimizer.zero_grad()
-            # A device out of batches joins with a stand-in sample, weighted 0 (its replica does not move).
-            chosen = batch if len(batch) else order[:1]
-            loss = nn.functional.cross_entropy(model(images[chosen]), labels[chosen])
+            loss = nn.functional.cross_entropy(model(images), labels)
             loss.backward()
             model.record_loss(loss)
-            if len(batch):
-                optimizer.step()
-            model.end_step()
-        report = model.end_epoch()  # the merge: w = sum_i (D_i / D) w_i on every rank
+            optimizer.step()
+        report = model.last_epoch  # after the merge: w = sum_i (D_i / D) w_i on every rank
         if rank == 0:
             print(f"epoch {epoch}: {report.epoch_s:.2f} s, loss {report.loss:.4f}; {report.diagnosis()}", flush=True)
     model.close()

@@ -1,4 +1,5 @@
-"""C-ADP with real processes over gloo: planned disjoint delivery, weighted averaging, the whole loop by hand."""
+"""C-ADP with real processes over gloo: planned disjoint delivery, weighted averaging, and the drop-in training each
+rank's own samples (``allocate(loader, own_data=True)``) checked against one process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from hetdp.sync.averaging import merge_weights
 from hetdp.train.distribute import partition
-from hetdp.train.cadp import epoch_order
+from hetdp.train.owndata import epoch_order
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402
@@ -123,11 +124,11 @@ def test_times_are_reported_on_every_rank_within_the_call(out):
             assert figures[name]["plan"] == report(out, 0)[name]["plan"]
 
 
-def test_a_data_owner_that_does_not_train_holds_no_samples(out):
-    planned = report(out, 0)["parameter_server"]["plan"]
-    assert len(planned) == 2 and sum(planned) == SIZE
-    held = [report(out, rank)["parameter_server"]["samples"] for rank in range(RANKS)]
-    assert held == [0, *planned]
+def test_a_data_owner_that_does_not_train_holds_no_samples_and_stays_out_of_the_drop_in(out):
+    held = [report(out, rank)["parameter_server"] for rank in range(RANKS)]
+    assert [figures["samples"] for figures in held] == [0, 20, 27]
+    for figures in held:
+        assert "own_data=True needs samples on every rank, got [0, 20, 27]" in figures["error"]
 
 
 def test_a_plan_that_does_not_fit_the_dataset_fails_on_every_rank(out):

@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -129,17 +129,23 @@ class Adaptive:
         return "adaptive" if self.rule == "auto" else f"adaptive:{self.rule}"
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(frozen=True)
 class Planned:
-    """Shares from the C-ADP optimizer on a cluster description: rank i takes D_i / D of every step.
+    """Shares from the C-ADP optimizer on a cluster description, one device per rank.
 
-    The plan weighs compute against each device's link (C-ADP paper, eq. 7) for
-    ``epochs`` epochs of the dataset; one device per rank.
+    Over a dataset every rank shares, rank i takes D_i / D of every step: the plan
+    weighs compute against each device's link (C-ADP paper, eq. 7) for ``epochs``
+    epochs of the dataset. Over each rank's own data (``allocate(loader,
+    own_data=True)``, what ``hetdp.distribute`` delivered by the plan), device i
+    trains its D_i samples in batches of its own ``batch_size`` every epoch.
     """
 
     cluster: ClusterSpec
+    _: KW_ONLY
     epochs: int = 1
+    """Epochs the plan is for (a shared dataset's shares only)."""
     method: Literal["exact", "alm"] = "exact"
+    """The planner's solver (a shared dataset's shares only): integer-optimal, or the paper's Algorithm 1."""
 
     def describe(self) -> str:
         return f"planned({self.method})"

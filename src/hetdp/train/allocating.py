@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.pack import CostBalance
-from hetdp.allocate.policy import AllocationPolicy, Allocator
+from hetdp.allocate.policy import AllocationPolicy, Allocator, Static
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 from hetdp.runtime import peer_failures
 from hetdp.train.caps import check_fits, memory_caps
 from hetdp.train.loader import AllocatedLoader, per_rank_batch
+from hetdp.train.owndata import OwnData, own_batch_sizes
 from hetdp.train.planning import Planner
 from hetdp.train.sitout import SitOut
 
@@ -41,7 +42,8 @@ class Allocating:
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
                  seed: int | None = None, max_batch: int | Sequence[int | None] | None = None,
-                 accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None) -> AllocatedLoader:
+                 accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None,
+                 own_data: bool = False) -> AllocatedLoader:
         """Re-cut ``loader`` so that each batch is this rank's share of a step of ``global_batch`` samples.
 
         Every DataLoader option is kept; only the batching changes. The epoch order
@@ -63,6 +65,11 @@ class Allocating:
                 shares become parts of each step's cost, and steps are packed so that each rank's block costs its
                 part. With ``mean_over="cost"`` (the default) each rank's loss must be its mean per cost unit
                 (per token) and the combined gradient is the mean per token over the global step.
+            own_data: ``loader`` holds this rank's own samples, not a dataset every rank shares (C-ADP: what
+                ``hetdp.distribute`` delivered). Each epoch, every rank trains all of its samples in batches of its
+                own size: under ``hetdp.Planned(cluster)`` its device's ``batch_size``, under ``"equal"`` its
+                loader's; an epoch has as many steps as the rank with the most batches (``hetdp.train.owndata``).
+                Under ``"local"`` the epoch's merge weighs rank i's model by D_i / D.
 
         Raises:
             ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, a global batch too small
@@ -72,6 +79,8 @@ class Allocating:
         """
         if self._follows:
             raise ConfigError("this model follows another's steps: allocate that model's loader")
+        if own_data:
+            return self._allocate_own(loader, shuffle=shuffle, seed=seed)
         if global_batch is None:
             batch = per_rank_batch(loader)
             if batch is None:
@@ -92,6 +101,24 @@ class Allocating:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")
         allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed, cost=balance)
+        self._planner.loader = weakref.ref(allocated)
+        return allocated
+
+    def _allocate_own(self, loader: DataLoader, *, shuffle: bool | None, seed: int | None) -> AllocatedLoader:
+        """``allocate(loader, own_data=True)``: steps of every rank's own batches; collective."""
+        if not hasattr(loader.dataset, "__len__"):
+            raise ConfigError(f"own_data=True needs a dataset with __len__, got {type(loader.dataset).__name__}")
+        held = self._gather_objects((len(loader.dataset), per_rank_batch(loader)), "exchanging the ranks' own data")
+        own = OwnData(counts=tuple(count for count, _ in held),
+                      batch_sizes=tuple(own_batch_sizes(self.allocation, [batch for _, batch in held])))
+        if self.allocator is None:
+            # Each step's shares are the ranks' batch sizes, fixed: own samples cannot move between ranks.
+            self._planner.start(Allocator(Static(own.batch_sizes), self.world_size, sum(own.batch_sizes), minimum=0))
+        elif self.allocator.shares != list(own.batch_sizes):
+            raise ConfigError(f"this model already allocates steps of {self.allocator.shares}, not of the batch "
+                              f"sizes {list(own.batch_sizes)}: one allocation per model")
+        allocated = AllocatedLoader(self, loader, global_batch=sum(own.batch_sizes), shuffle=shuffle, seed=seed,
+                                    own=own)
         self._planner.loader = weakref.ref(allocated)
         return allocated
 

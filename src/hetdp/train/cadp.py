@@ -1,18 +1,17 @@
-"""C-ADP training: the data owner plans and delivers each device's data once, devices train locally, models merge.
+"""C-ADP as ``hetdp bench cadp`` runs it: plan, deliver once, train through the drop-in, and time each part.
 
-C-ADP paper, section 3: rank 0, the data owner and parameter server, chooses
-D_1..D_N (eq. 7, :func:`hetdp.plan`), sends device i its D_i samples
-(:func:`hetdp.distribute`), and every epoch each device trains on its own
-samples with its own batch size before the models merge as w = sum_i (D_i / D) w_i.
-The training is the drop-in's: ``hetdp.DDP(model, ..., "local")`` trains each
-rank alone and merges by that weighted average at the epoch's end (``sync="step"``:
-``"allreduce"``, DDP's gradient mean every step, the baseline). ``train_cadp``
-only plans, delivers, cuts each rank's batches of its own data, sleeps the
-emulated model transfers (the drop-in emulates compute, not links) and reports
-the paper's T_send, T_train and T_total beside the plan's prediction:
-``hetdp bench cadp`` runs it. It left the public API (``hetdp.train_cadp`` warns
-and goes in the next release): a script calls ``hetdp.plan``,
-``hetdp.distribute`` and ``hetdp.DDP`` itself (examples/cadp_train.py).
+C-ADP paper, section 3: rank 0, the data owner, chooses D_1..D_N (eq. 7,
+:func:`hetdp.plan`) and sends device i its D_i samples (:func:`hetdp.distribute`);
+the training is the drop-in's, on each rank's own data:
+``hetdp.DDP(model, hetdp.Planned(cluster), "local")`` with
+``model.allocate(loader, own_data=True)`` trains device i's samples in batches of
+its own size and merges as w = sum_i (D_i / D) w_i at each epoch's end (the
+baselines: ``"equal"``, and ``"allreduce"`` for DDP's per-step gradient mean).
+``train_cadp`` is the benchmark's harness around that loop: it sleeps the emulated
+model transfers (the drop-in emulates compute, not links) and reports the paper's
+T_send, T_train and T_total beside the plan's prediction. It left the public API
+(``hetdp.train_cadp`` warns and goes in the next release): a script writes the
+loop itself (examples/cadp_train.py).
 """
 
 from __future__ import annotations
@@ -20,19 +19,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.planner import Plan, evaluate
 from hetdp.allocate.planner import plan as make_plan
+from hetdp.allocate.policy import Planned
 from hetdp.cluster.emulate import Emulation, Link, sleep
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.errors import ConfigError, HetDPError
@@ -47,16 +46,6 @@ INDEX_BYTES = 8
 """Bytes per sample on the wire when only indices travel (int64)."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-REBUILD_STEPS = 2
-"""Steps every rank computes, with a stand-in if it has no batch: torch's DDP rebuilds its gradient buckets in a
-collective at a rank's second forward."""
-
-
-def epoch_order(size: int, *, seed: int, epoch: int, rank: int) -> torch.Tensor:
-    """The order in which ``rank`` visits its ``size`` local samples in ``epoch``: a permutation seeded by all three."""
-    state = int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-    return torch.randperm(size, generator=torch.Generator().manual_seed(state))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -145,12 +134,10 @@ def train_cadp(
     on_epoch: Callable[[EpochReport], None] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> CadpResult:
-    """Plan (on rank 0), deliver, train locally and merge for ``config.epochs`` epochs.
+    """Plan (on rank 0), deliver, train locally and merge for ``config.epochs`` epochs, timing each part.
 
-    Rank r trains as ``cluster.devices[r]`` when the group has one rank per device
-    (rank 0, the data owner, trains too: give it ``bandwidth_mbps = inf``), or as
-    ``cluster.devices[r - 1]`` when the group has one more rank, which then only
-    owns the data and merges (the paper's parameter server).
+    Rank r trains as ``cluster.devices[r]``; rank 0, the data owner, trains too (give
+    its device ``bandwidth_mbps = inf``).
 
     Args:
         model: the model, the same architecture on every rank; rank 0's parameters start everyone.
@@ -167,133 +154,72 @@ def train_cadp(
     .. warning::
         Collective: every rank of ``group`` calls it with the same cluster and config.
 
-    Example::
-
-        >>> # on every rank, under `hetdp run -n 4 train.py` or torchrun
-        >>> hetdp.init_distributed()
-        >>> cluster = hetdp.ClusterSpec.from_toml("cluster.toml")
-        >>> train_set = hetdp.datasets.load_digits().train if dist.get_rank() == 0 else None
-        >>> result = train_cadp(model, optimizer, train_set, cluster, CadpConfig(epochs=10))
-        >>> result.send_s, result.train_s, result.plan.total_s
-
     Raises:
         ConfigError: the group does not match the cluster, or the plan does not match the dataset.
         PeerTimeoutError: a transfer or merge waited past its deadline.
     """
     config = config or CadpConfig()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    offset = world_size - len(cluster.devices)
-    if offset not in (0, 1):
-        raise ConfigError(
-            f"the cluster has {len(cluster.devices)} devices but the group has {world_size} ranks; "
-            f"launch one rank per device, or one more for a data owner that does not train"
-        )
-    timeout_s = config.timeouts.round_s
+    if world_size != len(cluster.devices):
+        raise ConfigError(f"the cluster has {len(cluster.devices)} devices but the group has {world_size} ranks; "
+                          "launch one rank per device, the data owner first")
     plan = _owner_plan(dataset, cluster, config, plan, group)
-    counts = [0] * offset + plan.samples
-    devices: list[DeviceSpec | None] = [None] * offset + list(cluster.devices)
     sample_bytes = cluster.sample_bytes if config.transport == "samples" else INDEX_BYTES
-    transfer_s = [_link_s(d, n * sample_bytes) if n else 0.0 for d, n in zip(devices, counts)]
-
+    transfer_s = [_link_s(d, n * sample_bytes) for d, n in zip(cluster.devices, plan.samples)]
     # Deadlines grow with the planned work, so a long but healthy delivery or epoch is never cut short.
-    delivery_timeout_s = timeout_s + 2 * max(transfer_s)
-    merge_timeout_s = timeout_s + 2 * plan.epoch_s
-
-    if config.sync == "step" and 0 in counts:
-        raise ConfigError(f"sync='step' needs every rank to train (a synchronous step runs on every rank); the "
-                          f"plan gives {counts} samples: give the data owner a device, or plan min_samples >= 1")
+    delivery_timeout_s = config.timeouts.round_s + 2 * max(transfer_s)
+    merge_timeout_s = config.timeouts.round_s + 2 * plan.epoch_s
 
     model.to(local_device())
-    barrier(group, timeout_s)
+    barrier(group, config.timeouts.round_s)
     started = time.perf_counter()
-    local = distribute(
-        dataset,
-        counts,
-        transport=config.transport,
-        transfer_s=transfer_s if config.emulate else None,
-        seed=config.seed,
-        group=group,
-        timeout_s=delivery_timeout_s,
-    )
+    local = distribute(dataset, plan.samples, transport=config.transport,
+                       transfer_s=transfer_s if config.emulate else None, seed=config.seed, group=group,
+                       timeout_s=delivery_timeout_s)
     barrier(group, delivery_timeout_s)
     delivered = time.perf_counter()
 
-    batch_sizes = [1] * offset + [d.batch_size for d in plan.devices]
-    # The steps are cut here, from each rank's own data, so the model's allocation is never consulted (there is no
-    # allocate); every rank runs as many steps as the rank with the most batches (see _train_epoch).
-    ddp = DistributedDataParallel(model, "equal", "local" if config.sync == "epoch" else "allreduce",
-                                  step_timeout_s=merge_timeout_s, emulation=_emulation(devices, config.emulate),
-                                  process_group=group)
-    # The drop-in emulates compute, not links: the model's trips to and from the owner are slept here.
-    model_s = [_link_s(d, cluster.model_bytes) if config.emulate else 0.0 for d in devices]
-    trip_s, step_trip_s = (model_s[rank], 0.0) if config.sync == "epoch" else (0.0, 2 * max(model_s))
+    allocation = Planned(cluster=cluster, epochs=config.epochs, method=config.method)
+    ddp = DistributedDataParallel(model, allocation if config.allocation == "planned" else "equal",
+                                  "local" if config.sync == "epoch" else "allreduce", step_timeout_s=merge_timeout_s,
+                                  emulation=_emulation(cluster.devices, config.emulate), process_group=group)
+    loader = ddp.allocate(DataLoader(local.data, batch_size=cluster.devices[rank].feasible_batch_size),
+                          shuffle=True, seed=config.seed, own_data=True)
+    # The drop-in emulates compute, not links: the model's trips to and from the owner are slept here, before the
+    # epoch under local training (the merge ends it), after every step under per-step allreduce.
+    model_s = [_link_s(d, cluster.model_bytes) if config.emulate else 0.0 for d in cluster.devices]
+    trip_s, step_trip_s = (2 * model_s[rank], 0.0) if config.sync == "epoch" else (0.0, 2 * max(model_s))
     history = []
-    try:
+    with ddp:
         for epoch in range(config.epochs):
-            ddp.begin_epoch(epoch)
-            sleep(trip_s)  # the global model arrives
-            _train_epoch(ddp, optimizer, local.data, counts, batch_sizes, epoch, config.seed, loss_fn, step_trip_s)
-            sleep(trip_s)  # the local model leaves
-            history.append(ddp.end_epoch())
+            loader.sampler.set_epoch(epoch)
+            sleep(trip_s)
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                loss = loss_fn(ddp(inputs), targets)
+                loss.backward()
+                ddp.record_loss(loss)
+                optimizer.step()
+                sleep(step_trip_s)
+            history.append(ddp.last_epoch)
             if on_epoch is not None:
                 on_epoch(history[-1])
-    finally:
-        ddp.close()
     finished = time.perf_counter()
-    return CadpResult(
-        plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history, samples=counts[rank]
-    )
+    return CadpResult(plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history,
+                      samples=plan.samples[rank])
 
 
-def _train_epoch(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, data: TensorDataset,
-                 counts: list[int], batch_sizes: list[int], epoch: int, seed: int, loss_fn: LossFn,
-                 step_trip_s: float) -> None:
-    """One epoch of this rank's batches of its own data, in a seeded order, as the drop-in's steps: every rank runs
-    as many as the rank with the most batches, and under per-step allreduce a rank out of batches joins a step with
-    the drop-in's stand-in, weighted 0."""
-    inputs, targets = data.tensors
-    rank = ddp.rank
-    size = batch_sizes[rank]
-    order = epoch_order(len(inputs), seed=seed, epoch=epoch, rank=rank).to(inputs.device)
-    # A stand-in's sample: this rank's first, or zeros shaped like one where it holds none (an owner that only merges).
-    stand_in = (inputs[:1], targets[:1]) if len(inputs) else (
-        inputs.new_zeros((1, *inputs.shape[1:])), targets.new_zeros((1, *targets.shape[1:])))
-    steps = max(-(-n // b) for n, b in zip(counts, batch_sizes))
-    synchronous = ddp.synchronizer.meets_every_step
-    for step in range(steps):
-        index = order[step * size : (step + 1) * size]
-        ddp.begin_step(len(index), sum(min(b, max(0, n - step * b)) for n, b in zip(counts, batch_sizes)))
-        # Under local training a rank out of batches has nothing to compute: its step only counts the others' samples
-        # towards the merge's D. It joins a rank's first two steps with a stand-in all the same: torch's DDP rebuilds
-        # its gradient buckets at a rank's second forward, in a collective.
-        if len(index) or synchronous or ddp.steps_done < REBUILD_STEPS:
-            optimizer.zero_grad()
-            batch = (inputs[index], targets[index]) if len(index) else stand_in
-            loss = loss_fn(ddp(batch[0]), batch[1])
-            loss.backward()
-            ddp.record_loss(loss)
-            # A stand-in's local gradient is zero, and stepping on it would still move a momentum optimizer.
-            if len(index) or synchronous:
-                optimizer.step()
-        ddp.end_step()
-        sleep(step_trip_s)
-
-
-def _emulation(devices: list[DeviceSpec | None], emulate: bool) -> Emulation:
+def _emulation(devices: Sequence[DeviceSpec], emulate: bool) -> Emulation:
     """Each device's time per sample (batch_time_s / batch_size) as the drop-in's emulation; none without ``emulate``
     (also not ``hetdp run``'s: the cluster file describes the devices)."""
     if not emulate:
         return Emulation()
-    sample_ms = [1000.0 * d.batch_time_s / d.batch_size if d is not None else None for d in devices]
-    slowest_ms = max(ms for ms in sample_ms if ms is not None)
-    return Emulation(speeds=tuple(1.0 if ms is None else slowest_ms / ms for ms in sample_ms),
-                     sample_cost_ms=slowest_ms)
+    sample_ms = [1000.0 * d.batch_time_s / d.batch_size for d in devices]
+    return Emulation(speeds=tuple(max(sample_ms) / ms for ms in sample_ms), sample_cost_ms=max(sample_ms))
 
 
-def _link_s(device: DeviceSpec | None, nbytes: float) -> float:
-    """Seconds to move ``nbytes`` from the data owner to ``device`` (alpha + size / B); 0 for the owner itself."""
-    if device is None:
-        return 0.0
+def _link_s(device: DeviceSpec, nbytes: float) -> float:
+    """Seconds to move ``nbytes`` from the data owner to ``device`` (alpha + size / B; 0 behind an infinite link)."""
     return Link(bandwidth_mbps=device.bandwidth_mbps, latency_ms=device.latency_ms).transfer_s(nbytes)
 
 

@@ -29,6 +29,7 @@ from hetdp.collectives.paths import agree_in_group
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
 from hetdp.runtime import peer_failures
+from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.policy import SyncPolicy, sync_policy
 from hetdp.train.allocating import Allocating
 from hetdp.train.clock import StepClock
@@ -37,7 +38,7 @@ from hetdp.train.hook import HookState, buffer_options, comm_hook, progress, syn
 from hetdp.train.loader import StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.train.planning import Planner
-from hetdp.train.sitout import SitOutSeam
+from hetdp.train.sitout import Optimizers, SitOutSeam
 from hetdp.train.step import OpenStep, StepListener, StepRunner, evaluating, rebuild_buckets, warn_unstepped
 from hetdp.train.stepcheckpoint import CheckpointState
 from hetdp.train.tally import Epochs
@@ -151,6 +152,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._seam = SitOutSeam.of(self, self.synchronizer, module, group, step_timeout_s,
                                    follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None
+        # Trained apart, a stand-in's gradient stays on its rank: an optimizer step on it would move the replica.
+        self._idle = Optimizers([module]) if isinstance(self.synchronizer, ParameterAveraging) else None
         self.register_comm_hook(self._hook, comm_hook)
         self._steps = StepRunner(self._hook, module)
         self.metrics = metrics or MetricsConfig()
@@ -228,6 +231,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._steps.begin(ticket, total, meets=self._planner.meets_after(ticket, wanted))
         if self._seam is not None:
             self._seam.route(self, ticket.step)
+        if self._idle is not None:
+            self._idle.out = ticket.samples == 0
         DistributedDataParallel.steps_in_process += 1
         for model in self._open_followers():
             model.begin_ticket(ticket, total)

@@ -34,6 +34,7 @@ from hetdp.train.stepcheckpoint import set_random_state
 
 if TYPE_CHECKING:
     from hetdp.train.metrics import EpochReport
+    from hetdp.train.owndata import OwnData
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,8 @@ class AllocatedLoader:
     """
 
     def __init__(self, model: StepDriver, loader: DataLoader, *, global_batch: int,
-                 shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None) -> None:
+                 shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None,
+                 own: OwnData | None = None) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError("allocate() needs a map-style dataset (with __len__ and __getitem__), "
@@ -350,9 +352,14 @@ class AllocatedLoader:
         size = len(dataset)
         self.original = loader
         self.model = model
-        self.sampler = StepSampler(size, global_batch, model.rank, shares_at=model.shares_at, shuffle=order.shuffle,
-                                   seed=seed, drop_last=_drops_last(loader), cost=cost, epoch_source=order.source,
-                                   epoch_size=size - size % model.world_size if order.drops_tail else size)
+        if own is not None:  # the loader holds this rank's own samples (``hetdp.train.owndata``)
+            self.sampler = own.sampler(model.rank, shuffle=order.shuffle, seed=seed, drop_last=_drops_last(loader),
+                                       epoch_source=order.source)
+        else:
+            self.sampler = StepSampler(size, global_batch, model.rank, shares_at=model.shares_at,
+                                       shuffle=order.shuffle, seed=seed, drop_last=_drops_last(loader), cost=cost,
+                                       epoch_source=order.source,
+                                       epoch_size=size - size % model.world_size if order.drops_tail else size)
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import hetdp
 from hetdp.allocate.planner import evaluate
@@ -91,11 +91,16 @@ def main() -> None:
             "epochs": len(result.epochs),
         }
 
-    # A data owner that does not train: 3 ranks, 2 devices; rank 0 plans.
-    model = make_model(0)
-    result = train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, make_cluster(2),
-                              CadpConfig(epochs=1))
-    report["parameter_server"] = {"samples": result.samples, "plan": result.plan.samples}
+    # A data owner that does not train holds no samples, and cannot train its own (none) in the drop-in.
+    local = distribute(training_set if rank == 0 else None, [0, 20, SIZE - 20])
+    report["parameter_server"] = {"samples": len(local.data)}
+    model = hetdp.DDP(make_model(0), "equal", "local")
+    try:
+        model.allocate(DataLoader(local.data, batch_size=4), own_data=True)
+        report["parameter_server"]["error"] = None
+    except hetdp.ConfigError as error:
+        report["parameter_server"]["error"] = str(error)
+    model.close()
 
     # A plan that does not fit the dataset fails on every rank, not only on the owner.
     try:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import merge_weights
-from hetdp.train.cadp import epoch_order
+from hetdp.train.owndata import epoch_order
 
 
 def test_merge_weights_are_each_devices_share_of_the_data():
