@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hetdp.allocate.policy import Adaptive, Equal, Static
+from hetdp.bench.loop import tensor_loader, train_share
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.datasets import DATASETS, Split, load_dataset
@@ -33,7 +35,6 @@ from hetdp.models import ConvNet, accuracy
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 from hetdp.train import ddp as hetdp_ddp
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 DEFAULT_SPEEDS = "1,1,2,4"
 
@@ -225,28 +226,29 @@ def _new_model(seed: int, split: Split) -> ConvNet:
 def _train_policy(
     policy: str, args: argparse.Namespace, split: Split, emulation: Emulation, progress: EventWriter
 ) -> list[dict]:
-    config = AllocationConfig(
-        policy=policy,
-        weights=emulation.speeds if policy == "static" else None,
-        global_batch=args.global_batch,
-        micro_batch=args.micro_batch,
-        replan_every=args.replan_every,
-        seed=args.seed,
-    )
+    allocation = {"equal": Equal(), "static": Static(emulation.speeds or ()),
+                  "adaptive": Adaptive(replan_every=args.replan_every)}[policy]
     model = _new_model(args.seed, split)
-    trainer = AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), split.train,
-                               config, emulation=emulation)
+    ddp = hetdp_ddp.DistributedDataParallel(model, allocation, "allreduce", emulation=emulation)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader = ddp.allocate(tensor_loader(split.train, args.global_batch), global_batch=args.global_batch,
+                          shuffle=True, seed=args.seed, accumulates=True)
     rows, wall_s = [], 0.0
     for epoch in range(args.epochs):
-        start_shares = trainer.shares
+        start_shares = ddp.shares
         dist.barrier()  # the previous epoch's evaluation ends at different times on different ranks: not training
-        report = trainer.train_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            train_share(ddp, inputs, targets, largest=args.micro_batch)
+            optimizer.step()
+        report = ddp.last_epoch
         wall_s += report.epoch_s
         rows.append({**vars(report), "policy": policy, "start_shares": start_shares, "wall_s": wall_s,
                      "accuracy": accuracy(model, split.test)})
         progress.update(row=rows[-1])
     dist.barrier()
-    trainer.close()
+    ddp.close()
     return rows
 
 

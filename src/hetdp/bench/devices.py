@@ -1,7 +1,7 @@
 """Adaptive allocation on emulated real devices: fixed step costs, knees, memory caps that force micro-batches.
 
 Each device table (a cluster file without links) is emulated on local ranks, and
-``AllocatedTrainer`` runs the adaptive allocation twice on it, with the paper's
+``hetdp.DDP`` runs the adaptive allocation twice on it, with the paper's
 rule (task-allocation paper, eq. 10) and with the piecewise rule. A run's
 figure is its steady step under the device model, at the shares it reached,
 against the ideal: the exact minimizer of the slowest rank's step time over
@@ -32,6 +32,7 @@ from tqdm import tqdm
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.minmax import min_max_shares, step_time_of
 from hetdp.allocate.policy import Adaptive
+from hetdp.bench.loop import tensor_loader, train_share
 from hetdp.cluster.devices import device_model, device_table, per_sample_ms, read_device_table
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.spec import ClusterSpec
@@ -39,7 +40,7 @@ from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
+from hetdp.train.ddp import DistributedDataParallel
 
 RULES = ("paper", "piecewise")
 FEATURES = 16
@@ -137,15 +138,15 @@ def _launch(cluster: ClusterSpec, global_batch: int, size: dict[str, int], seed:
 
 
 def step_tables(cluster: ClusterSpec, global_batch: int) -> list[list[float]]:
-    """Every rank's emulated step milliseconds at shares 0..global_batch, as ``AllocatedTrainer`` runs them (as
-    few near-equal micro-batches as its memory cap allows)."""
+    """Every rank's emulated step milliseconds at shares 0..global_batch, as the benchmark's loop runs them (as
+    few near-equal micro-batches as its memory cap allows, ``bench.loop.train_share``)."""
     return [[device_model(device).step_ms(share, ms) for share in range(global_batch + 1)]
             for device, ms in zip(cluster.devices, per_sample_ms(cluster))]
 
 
 def noise_free(rows: list[list[float]], chunks: list[int | None], global_batch: int, rule: str,
                updates: int = 24) -> float:
-    """Efficiency of a rule re-planning on the device model's exact times (the trainer's defaults, no processes):
+    """Efficiency of a rule re-planning on the device model's exact times (``hetdp.Adaptive``'s defaults, no processes):
     the ideal step over the mean step of the second half of ``updates`` re-plans."""
     policy = Adaptive(rule=rule)  # type: ignore[arg-type]
     allocator = AdaptiveAllocator(len(rows), global_batch, 1, tolerance=policy.tolerance, patience=policy.patience,
@@ -228,13 +229,20 @@ def _worker(argv: list[str]) -> None:
     for rule in RULES:
         torch.manual_seed(settings["seed"])
         model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 2))
-        config = AllocationConfig(policy="adaptive", rule=rule, global_batch=global_batch, mode="batch",
-                                  replan_every=settings["replan_every"], seed=settings["seed"])
+        # The share runs as one forward, or as micro-batches where it passes this rank's emulated memory cap.
+        policy = Adaptive(rule=rule, replan_every=settings["replan_every"])  # type: ignore[arg-type]
+        ddp = DistributedDataParallel(model, policy, "allreduce", emulation=emulation)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = ddp.allocate(tensor_loader(dataset, global_batch), global_batch=global_batch, shuffle=True,
+                              seed=settings["seed"], accumulates=True)
         dist.barrier()
-        with AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), dataset, config,
-                              emulation=emulation) as trainer:
-            report = trainer.train_epoch(0)
-            figures = list(trainer.model.step_figures)
+        with ddp:
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                train_share(ddp, inputs, targets, largest=emulation.devices[rank].max_batch)
+                optimizer.step()
+            report = ddp.last_epoch
+            figures = list(ddp.step_figures)
         runs[rule] = [{"shares": f.shares, "compute_s": f.compute_s} for f in figures]
         replans[rule] = len(report.replans)
         progress.update(steps)

@@ -13,7 +13,7 @@ from hetdp.errors import ConfigError
 from hetdp.files import write_json
 from hetdp.plots import write_allocation_plots
 from hetdp.report import StreamingTable, print_above_progress
-from hetdp.train.allocation import diagnose_straggler
+from hetdp.train.metrics import diagnose_straggler
 
 GLOBAL_BATCH = 128
 COLUMNS = ("policy", "epoch", "shares", "compute s", "wait s", "epoch s", "accuracy")

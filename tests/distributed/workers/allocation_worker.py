@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_allocation.py: runs every scenario on 3 ranks, rank 0 saves results."""
+"""Worker for tests/distributed/test_allocation.py: every scenario on 3 ranks through the drop-in (``hetdp.DDP``,
+``model.allocate(loader, accumulates=True)``, the user's loop); rank 0 saves results."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import hetdp
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
+from hetdp.bench.loop import tensor_loader, train_share
 
 WIDE = 800_000
 """Width of the ``many_buckets`` model: 8.8 M parameters, above DDP's 25 MB bucket cap."""
@@ -31,20 +32,35 @@ def make_model(seed: int, wide: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def train(config: AllocationConfig, size: int, epochs: range, *, emulation=None, resume: Path | None = None,
-          save: Path | None = None, init_seed: int = 0, wide: int = 0):
-    model = make_model(init_seed, wide)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
-    trainer = AllocatedTrainer(model, optimizer, make_dataset(size), config, emulation=emulation)
-    if resume is not None:
-        # Only rank 0 has the file (no shared filesystem): it reads and broadcasts.
-        path = resume if torch.distributed.get_rank() == 0 else resume.with_name("only-on-rank-0.pt")
-        assert trainer.load_checkpoint(path) == epochs.start
-    with trainer:
-        reports = [trainer.train_epoch(epoch) for epoch in epochs]
-        if save is not None:
-            trainer.save_checkpoint(save)  # resumes at the epoch after the last one trained
-    return trainer, reports
+def policy(name: str, weights: tuple[float, ...] | None = None, replan_every: int = 0) -> hetdp.Static | hetdp.Adaptive:
+    return hetdp.Static(weights) if name == "static" else hetdp.Adaptive(replan_every=replan_every)
+
+
+def train(allocation, size: int, epochs: range, *, global_batch: int = 12, largest: int | None = None,
+          max_batch=None, seed: int = 0, emulation=None, checkpoint: Path | None = None, init_seed: int = 0,
+          wide: int = 0):
+    """The user's loop over the drop-in: shares of ``global_batch``, run as micro-batches of at most ``largest``."""
+    module = make_model(init_seed, wide)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
+    model = hetdp.DDP(module, allocation, "allreduce", emulation=emulation)
+    loader = model.allocate(tensor_loader(make_dataset(size), global_batch), global_batch=global_batch, shuffle=True,
+                            seed=seed, max_batch=max_batch, accumulates=True)
+    saver = model.checkpointer(checkpoint, optimizer) if checkpoint is not None else None
+    if saver is not None and epochs.start:
+        # Only rank 0 has the folder (no shared filesystem): it reads and broadcasts.
+        assert saver.resume() and saver.epoch == epochs.start
+    reports = []
+    with model:
+        for epoch in epochs:
+            loader.sampler.set_epoch(epoch)
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                train_share(model, inputs, targets, largest=largest if max_batch is None else max_batch[model.rank])
+                optimizer.step()
+            reports.append(model.last_epoch)
+        if saver is not None:
+            saver.save()  # resumes at the epoch after the last one trained
+    return model, reports
 
 
 def main() -> None:
@@ -56,44 +72,34 @@ def main() -> None:
 
     # Gradient equivalence: unequal shares, accumulation, a partial last step, batch mode with a memory cap, and a
     # model whose gradient spans several DDP buckets (earlier ones by gloo's allreduce, the last by doubling).
-    static = AllocationConfig(policy="static", weights=(1.0, 2.0, 3.0), global_batch=12, micro_batch=2)
-    for name, config, size, wide in [
-        ("one_step", static, 12, 0),
-        ("partial_epoch", static, 29, 0),
-        ("batch_mode", AllocationConfig(policy="static", weights=(1.0, 2.0, 3.0), global_batch=12, mode="batch",
-                                        max_batch=(8, 2, 8)), 29, 0),
-        ("many_buckets", static, 29, WIDE),
+    static = policy("static", (1.0, 2.0, 3.0))
+    for name, largest, max_batch, size, wide in [
+        ("one_step", 2, None, 12, 0),
+        ("partial_epoch", 2, None, 29, 0),
+        ("batch_mode", None, (8, 2, 8), 29, 0),
+        ("many_buckets", 2, None, 29, WIDE),
     ]:
-        trainer, reports = train(config, size, range(1), wide=wide)
-        gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        model, reports = train(static, size, range(1), largest=largest, max_batch=max_batch, wide=wide)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         results[name] = {"shares": reports[0].shares, "samples": reports[0].samples,
-                         "buckets_at_least": -(-gradient_bytes // trainer.model.bucket_bytes_cap)}
+                         "buckets_at_least": -(-gradient_bytes // model.bucket_bytes_cap)}
         if rank == 0:
-            torch.save(trainer.model.module.state_dict(), out / f"{name}.pt")
+            torch.save(model.module.state_dict(), out / f"{name}.pt")
 
     # Checkpoint resume: 2 epochs straight vs 1 epoch, checkpoint, fresh process state, 1 more epoch.
-    resumable = AllocationConfig(policy="static", weights=(3.0, 1.0, 2.0), global_batch=12, micro_batch=4, seed=5)
-    straight, _ = train(resumable, 40, range(2))
-    train(resumable, 40, range(1), save=out / "ckpt.pt")
-    resumed, _ = train(resumable, 40, range(1, 2), resume=out / "ckpt.pt", init_seed=123)
+    resumable = policy("static", (3.0, 1.0, 2.0))
+    straight, _ = train(resumable, 40, range(2), largest=4, seed=5)
+    folder = out / "ckpt" if rank == 0 else out / f"only-on-rank-0-{rank}"
+    train(resumable, 40, range(1), largest=4, seed=5, checkpoint=folder)
+    resumed, _ = train(resumable, 40, range(1, 2), largest=4, seed=5, checkpoint=folder, init_seed=123)
     if rank == 0:
-        torch.save(straight.model.module.state_dict(), out / "straight.pt")
-        torch.save(resumed.model.module.state_dict(), out / "resumed.pt")
-    # A checkpoint of another config is refused on every rank; a missing one, asked for as optional, is a fresh start.
-    other = AllocationConfig(policy="static", weights=(3.0, 1.0, 2.0), global_batch=12, micro_batch=4, seed=6)
-    with AllocatedTrainer(make_model(0), torch.optim.SGD(make_model(0).parameters(), lr=0.1), make_dataset(40),
-                          other) as trainer:
-        try:
-            trainer.load_checkpoint(out / "ckpt.pt")
-            results["mismatch"] = None
-        except hetdp.CheckpointError as error:
-            results["mismatch"] = str(error)
-        results["missing_ok"] = trainer.load_checkpoint(out / "absent.pt", missing_ok=True)
+        torch.save(straight.module.state_dict(), out / "straight.pt")
+        torch.save(resumed.module.state_dict(), out / "resumed.pt")
 
     # Adaptive: emulated speeds 1, 2, 4 with a synthetic per-sample cost; re-plan every 2 steps.
-    adaptive = AllocationConfig(policy="adaptive", global_batch=70, micro_batch=10, replan_every=2)
     emulation = hetdp.Emulation(speeds=(1.0, 2.0, 4.0), sample_cost_ms=3.0)
-    _, reports = train(adaptive, 700, range(2), emulation=emulation)
+    _, reports = train(policy("adaptive", replan_every=2), 700, range(2), global_batch=70, largest=10,
+                       emulation=emulation)
     results["adaptive"] = {"shares": [r.shares for r in reports], "replans": [r.replans for r in reports],
                            "compute_s": [r.compute_s for r in reports], "wait_s": [r.wait_s for r in reports]}
     (out / f"results_{rank}.json").write_text(json.dumps(results))
