@@ -69,8 +69,9 @@ __all__ = [
     "probe_cluster",
 ]
 
-_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples) and hetdp.DDP(model, "
-         '"equal", "local") over each rank\'s own batches (examples/cadp_train.py)')
+_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples), hetdp.DDP(model, "
+         'hetdp.Planned(cluster), "local") and model.allocate(loader, own_data=True) over each rank\'s own samples '
+         "(examples/cadp_train.py)")
 
 _ALLOCATED = ('hetdp.DDP(model, allocation, "allreduce"), model.allocate(loader, accumulates=True) and '
               "model.checkpointer(folder, optimizer) in your own loop (examples/allocation_train.py)")
