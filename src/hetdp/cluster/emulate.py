@@ -306,6 +306,8 @@ class Pacer:
         """Where the sleeps of the started step end (sample-cost mode); the next step's run on from it if alone."""
         self._runs_on_to: int | None = None
         """The step whose deadline runs on from the last one's: the step after one that ended ``alone``."""
+        self._lead_s = 0.0
+        """The lead ``start`` slept; ``finish`` pads the rest of the block (a caller may know the samples only then)."""
         self._warned = False
 
     def start(self, step: int, samples: float) -> None:
@@ -316,8 +318,9 @@ class Pacer:
         block_s = emulation.block_s(self.rank, samples, step)
         runs_on = self._runs_on_to == step and emulation.sample_cost_ms > 0 and now - self._deadline <= block_s
         self._runs_on_to = None
+        self._lead_s = emulation.lead_s(self.rank, samples, step)
         self._deadline = ((self._deadline if runs_on else now) + emulation.straggler_delay_s(step, self.rank,
-                          self.world_size) + emulation.lead_s(self.rank, samples, step))
+                          self.world_size) + self._lead_s)
         self._sleep_until(self._deadline)
 
     def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None, *,
@@ -331,8 +334,7 @@ class Pacer:
         self._check_memory(samples, forwards)
         emulation = self.emulation
         if emulation.sample_cost_ms > 0:
-            self._deadline += (emulation.block_s(self.rank, samples, step, forwards)
-                               - emulation.lead_s(self.rank, samples, step))
+            self._deadline += emulation.block_s(self.rank, samples, step, forwards) - self._lead_s
             self._sleep_until(self._deadline)
             self._runs_on_to = step + 1 if alone else None
         else:

@@ -137,3 +137,13 @@ def test_without_emulation_nothing_sleeps():
     pacer = _pacer(timeline, Emulation())
     _step(pacer, timeline, 0, compute_s=0.005, host_s=0.002, alone=True)
     assert timeline.sleeps == []
+
+
+def test_a_step_whose_samples_are_known_only_at_its_end_still_lasts_its_whole_block():
+    """EagerSGD starts its clock before the batch is known (``start`` with 0 samples)."""
+    timeline = Timeline()
+    pacer = _pacer(timeline)
+    pacer.start(0, 0)
+    timeline.work(0.005)
+    pacer.finish(0, 20, 0.005)
+    assert timeline.now == pytest.approx(BLOCK_S)
