@@ -111,35 +111,57 @@ def _two_seeds(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
     return summarize_seeds(_raw(first_good), (3, 7), (1.0, 1.0, 2.0, 4.0), quorum=2)
 
 
-def test_seeds_are_read_one_by_one_and_their_figures_averaged():
+def test_the_figures_over_the_seeds_are_read_off_their_mean_curves_and_each_seeds_beside_them():
     result = _two_seeds(BASE)
     # Seed 3: adaptive+majority at 6 s against adaptive+allreduce's 7 s; seed 7: 16 s against 14 s.
     assert [figures["seed"] for figures in result["per_seed"]] == [3, 7]
     assert [figures["speedup_vs_best_single_axis"] for figures in result["per_seed"]] == [
         pytest.approx(7 / 6), pytest.approx(14 / 16)]
-    assert result["mean_speedup_vs_best_single_axis"] == pytest.approx((7 / 6 + 14 / 16) / 2)
+    # The mean curves, as the repeats of one seed are read: 1.5 * 7 s against 1.5 * 8 s.
+    assert result["speedup_vs_best_single_axis"] == pytest.approx(7 / 8)
+    assert result["time_to_accuracy_s"]["adaptive+majority"] == pytest.approx(1.5 * 8)
     assert result["speedup_spread"]["min"] == pytest.approx(14 / 16)
     assert result["speedup_spread"]["max"] == pytest.approx(7 / 6)
     assert result["mean_accuracy_drop_points"] == pytest.approx(0.0)
     assert result["repeats"] == 1 and result["seeds_without_speedup"] == []
-    assert result["meets_targets"] is False  # (7/6 + 7/8) / 2 = 1.02 < 1.15
+    assert result["meets_targets"] is False  # 7/8 < 1.15
 
 
-def test_a_seed_that_never_reaches_its_target_is_named_and_misses_the_targets():
+def _flat_run(accuracy: float, seconds_per_snapshot: float) -> dict:
+    return {**_run(0, seconds_per_snapshot), "accuracy": [accuracy] * SNAPSHOTS}
+
+
+def test_a_seed_that_misses_its_own_target_is_named_and_the_mean_curves_still_decide():
+    """Seed 7's adaptive+majority ends 1.5 points below its synchronous run, so never reaches its own target; over
+    both seeds the drop is 0.75 points, and the mean curve reaches the mean target."""
+    finals = {"equal+allreduce": (0.96, 0.97), "adaptive+allreduce": (0.96, 0.97), "equal+majority": (0.96, 0.97),
+              "adaptive+majority": (0.96, 0.955), "adaptive+quorum": (0.96, 0.97)}
+    raw = _raw(BASE)
+    raw["runs"] = {name: [_flat_run(first, 1.0), _flat_run(second, 2.0)] for name, (first, second) in finals.items()}
+    result = summarize_seeds(raw, (3, 7), (1.0, 1.0, 2.0, 4.0), quorum=2)
+    assert [figures["speedup_vs_best_single_axis"] for figures in result["per_seed"]] == [pytest.approx(1.0), None]
+    assert result["seeds_without_speedup"] == [7]
+    assert result["target_accuracy"] == pytest.approx(0.955)
+    assert result["speedup_vs_best_single_axis"] == pytest.approx(1.0)
+    assert result["mean_accuracy_drop_points"] == pytest.approx(0.75)
+    assert "never on seed 7" in render(result)
+
+
+def test_no_speedup_when_the_mean_curve_never_reaches_the_mean_target():
     result = _two_seeds({**BASE, "adaptive+majority": (1, None), "equal+allreduce": (0, 2)})
     assert result["seeds_without_speedup"] == [7]
-    assert result["mean_speedup_vs_best_single_axis"] == pytest.approx(7 / 6)  # over the seeds that have one
+    assert result["speedup_vs_best_single_axis"] is None  # the mean curve ends at 0.5 against 0.99
     assert result["mean_accuracy_drop_points"] == pytest.approx(50.0)  # seed 7 ends at 0 against 1
     assert result["accuracy_drop_spread"] == {"min": pytest.approx(0.0), "max": pytest.approx(100.0),
                                               "stdev": pytest.approx(70.71, abs=0.01)}
     assert result["meets_targets"] is False
     text = render(result)
-    assert "never on seed 7" in text and "mean speedup over the seeds 1.17x" in text and "targets not met" in text
+    assert "never on seed 7" in text and "seed by seed 1.17 to 1.17x" in text and "targets not met" in text
 
 
 def test_seeds_that_meet_both_targets_say_so():
     result = _two_seeds({**BASE, "adaptive+majority": (0, 0)})
-    assert min(figures["speedup_vs_best_single_axis"] for figures in result["per_seed"]) > 1.15
+    assert result["speedup_vs_best_single_axis"] > 1.15
     assert result["meets_targets"] is True and "targets met" in render(result)
 
 

@@ -34,9 +34,10 @@ without slowing each other, and ``--quick`` keeps within its two minutes.
 From seed to seed (a seed draws the test split as well as the initial models)
 the figures move more than from repeat to repeat, so one seed cannot be held to
 a one-point margin either. ``--seeds 0,1,2,3,4`` trains every seed at once, each
-on groups of its own (one repeat per seed unless ``--repeats`` says more), and
-reports each seed's figures, read as one seed's are, with their mean and spread
-over the seeds.
+on groups of its own (one repeat per seed unless ``--repeats`` says more), reads
+the figures the targets are about off the mean curves over all the seeds, as the
+repeats of one seed are read, and reports each seed's own figures and their
+spread beside them (``summarize_seeds`` says why).
 
 Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
@@ -198,11 +199,21 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
 
 def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[float, ...], quorum: int
                     ) -> dict[str, Any]:
-    """Each seed's figures, read off the mean curves of its own repeats as ``summarize`` reads one seed's, and
-    the mean and spread of the two headline figures over the seeds.
+    """The figures over the seeds, read off the mean of every seed's curves, and each seed's own beside them.
 
-    A seed whose adaptive + majority never reaches its target has no speedup: the mean speedup is over the seeds
-    that have one, ``seeds_without_speedup`` names the others, and ``meets_targets`` holds only if there are none.
+    One seed's target is its synchronous run's final accuracy less one point, on its own test split of 360
+    images (one image is 0.28 points), and from run to run a final accuracy moves by about as much as that
+    margin, so the drop of one seed's adaptive + majority scatters by a point or more. A seed whose adaptive +
+    majority ends a little more than a point low never reaches its target and has no speedup at all, so asking
+    every seed to reach its own turns the verdict into a draw: with a true drop of half a point and a scatter of
+    a point, about one seed in three misses, and all five reach theirs in about one launch in six. The figures
+    the targets are about are therefore read as the repeats of one seed are (``summarize``): off the mean curves
+    over every seed's runs, each seed weighing alike, where one run's noise counts a fifth.
+    ``speedup_vs_best_single_axis`` is the time the better single axis's mean curve takes to reach the mean
+    target (the synchronous mean curve's final accuracy less one point) over adaptive + majority's;
+    ``mean_accuracy_drop_points`` is the mean of the seeds' drops (the mean curves' drop). ``per_seed`` holds
+    each seed's figures read off its own repeats, ``speedup_spread`` their spread over the seeds that reach their
+    target, and ``seeds_without_speedup`` the others; ``meets_targets`` holds when the two figures meet theirs.
     """
     repeats = len(next(iter(raw["runs"].values()))) // len(seeds)
     per_seed = []
@@ -210,25 +221,25 @@ def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[flo
         own = {name: runs[index * repeats : (index + 1) * repeats] for name, runs in raw["runs"].items()}
         figures = summarize({"settings": raw["settings"], "runs": own}, speeds, quorum)
         per_seed.append({"seed": seed, **{key: figures[key] for key in SEED_FIGURES}})
+    pooled = summarize(raw, speeds, quorum)
+    speedup, drop = pooled["speedup_vs_best_single_axis"], pooled["accuracy_drop_points"]
     speedups = [figures["speedup_vs_best_single_axis"] for figures in per_seed]
-    drops = [figures["accuracy_drop_points"] for figures in per_seed]
-    reached = [speedup for speedup in speedups if speedup is not None]
-    mean_speedup = statistics.fmean(reached) if reached else None
-    mean_drop = statistics.fmean(drops)
-    without = [figures["seed"] for figures in per_seed if figures["speedup_vs_best_single_axis"] is None]
-    targets = {"mean_speedup_vs_best_single_axis": 1.15, "mean_accuracy_drop_points": 1.0}
+    targets = {"speedup_vs_best_single_axis": 1.15, "mean_accuracy_drop_points": 1.0}
     return {
         "speeds": list(speeds),
-        "pairings": list(per_seed[0]["time_to_accuracy_s"]),
+        "pairings": pooled["pairings"],
         "seeds": list(seeds),
         "repeats": repeats,
-        "mean_speedup_vs_best_single_axis": mean_speedup,
-        "speedup_spread": _spread(reached),
-        "seeds_without_speedup": without,
-        "mean_accuracy_drop_points": mean_drop,
-        "accuracy_drop_spread": _spread(drops),
-        "meets_targets": (not without and mean_speedup is not None and mean_speedup >= targets[
-            "mean_speedup_vs_best_single_axis"] and mean_drop <= targets["mean_accuracy_drop_points"]),
+        "speedup_vs_best_single_axis": speedup,
+        "mean_accuracy_drop_points": drop,
+        **{key: pooled[key] for key in ("best_single_axis", "target_accuracy", "time_to_accuracy_s",
+                                         "steps_to_accuracy", "final_accuracy")},
+        "speedup_spread": _spread([value for value in speedups if value is not None]),
+        "seeds_without_speedup": [figures["seed"] for figures in per_seed if figures["speedup_vs_best_single_axis"]
+                                  is None],
+        "accuracy_drop_spread": _spread([figures["accuracy_drop_points"] for figures in per_seed]),
+        "meets_targets": (speedup is not None and speedup >= targets["speedup_vs_best_single_axis"]
+                          and drop <= targets["mean_accuracy_drop_points"]),
         "targets": targets,
         "per_seed": per_seed,
         "settings": raw["settings"],
@@ -335,18 +346,19 @@ def _render_seeds(result: dict[str, Any]) -> str:
              f"step, global batch {s['global_batch']}, {s['epochs']} epochs per pairing, SGD from learning rate "
              f"{s['lr']:g} with momentum {s['momentum']:g}; seeds {_listed(result['seeds'], '')}, "
              f"{result['repeats']} run{'s' if result['repeats'] > 1 else ''} each, all at once")
-    speedup, spread = result["mean_speedup_vs_best_single_axis"], result["speedup_spread"]
+    speedup, spread = result["speedup_vs_best_single_axis"], result["speedup_spread"]
     drop, drop_spread = result["mean_accuracy_drop_points"], result["accuracy_drop_spread"]
-    without = result["seeds_without_speedup"]
+    without, best = result["seeds_without_speedup"], result["best_single_axis"]
     targets = result["targets"]
     lines = [format_table(rows, title=title)]
     lines.append(
         "time in training seconds until rank 0's model reaches the seed's target accuracy (its synchronous run's "
         "final accuracy less one point); speedup: the better single axis's time over adaptive+majority's")
     lines.append(
-        f"mean speedup over the seeds {'-' if speedup is None else f'{speedup:.2f}x'} (target "
-        f"{targets['mean_speedup_vs_best_single_axis']:g}x; {_range(spread, 'x')}"
-        + (f"; never on seed{'s' if len(without) > 1 else ''} {_listed(without, '')}" if without else "")
+        f"over the seeds' mean curves, adaptive+majority reaches {result['target_accuracy']:.3f} (synchronous less "
+        f"one point) {'-' if speedup is None else f'{speedup:.2f}x'} sooner than {best or 'either single axis'} "
+        f"(target {targets['speedup_vs_best_single_axis']:g}x; seed by seed {_range(spread, 'x')}"
+        + (f", never on seed{'s' if len(without) > 1 else ''} {_listed(without, '')}" if without else "")
         + f"), mean accuracy drop {drop:+.2f} points (target within {targets['mean_accuracy_drop_points']:g}; "
         f"{_range(drop_spread, ' points')}): targets {'met' if result['meets_targets'] else 'not met'}")
     return "\n".join(lines)

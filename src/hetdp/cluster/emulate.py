@@ -11,7 +11,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -261,28 +261,91 @@ class Pacer:
     then the lead) and ``finish`` when its real compute is done, just before its
     gradients are exchanged (the padding). Without emulation both return at once,
     so training code calls them unconditionally.
+
+    With ``sample_cost_ms`` > 0 the pacer keeps a deadline: ``start`` moves it by the
+    step's straggler delay and lead, ``finish`` by the rest of the step's block, and
+    each sleeps until it. While the rank exchanges nothing with the others, the
+    deadline runs on from one step to the next (``finish(alone=True)``): the real
+    host work between two steps (the optimizer's step, the next batch, Python), a
+    sleep's overshoot and a block whose real compute ran long come out of the next
+    sleeps instead of adding to every step. So k blocks of T seconds last k T as
+    long as the real work of every prefix is cheaper than that, which is how C-ADP
+    prices a rank's local epoch: its batches times its batch time (C-ADP paper,
+    eq. 5). Where the rank has just synchronized with the others, the deadline
+    restarts at the next step's start instead, because what it waited there must
+    not come out of its next blocks:
+
+    - after a step whose gradients leave the rank (allreduce, partial allreduce):
+      the exchange waits for the slowest rank, a round's initiator or quorum, or
+      at least the round's own transfer, and a synchronous step is priced as the
+      slowest block, then the exchange (C-ADP paper, eq. 7 for DDP; the simulator);
+    - after a meeting (local averaging every K steps or at an epoch's end);
+    - when the rank waited longer than the coming step's whole block since the
+      last one: a collective nobody announced (torch DDP's bucket rebuild at the
+      second step, a planning gather); host work is never that long;
+    - always when stretching measured time (``sample_cost_ms`` = 0): a step's
+      emulated time is a multiple of its own real compute.
+
+    Args:
+        emulation: the settings to pace by.
+        rank: this rank, in ``emulation``'s speeds and straggler draws.
+        world_size: ranks the stragglers are drawn from.
+        clock: seconds of a monotonic clock (default ``time.perf_counter``).
+        sleep: sleeps that many seconds, not at all when not positive (default this module's ``sleep``).
     """
 
-    def __init__(self, emulation: Emulation, rank: int, world_size: int) -> None:
+    def __init__(self, emulation: Emulation, rank: int, world_size: int, *,
+                 clock: Callable[[], float] | None = None, sleep: Callable[[float], None] | None = None) -> None:
         self.emulation = emulation
         self.rank = rank
         self.world_size = world_size
         self.active = emulation.active
+        self._clock = clock
+        self._sleep = sleep
+        self._deadline = 0.0
+        """Where the sleeps of the started step end (sample-cost mode); the next step's run on from it if alone."""
+        self._runs_on_to: int | None = None
+        """The step whose deadline runs on from the last one's: the step after one that ended ``alone``."""
+        self._lead_s = 0.0
+        """The lead ``start`` slept; ``finish`` pads the rest of the block (a caller may know the samples only then)."""
         self._warned = False
 
     def start(self, step: int, samples: float) -> None:
         """Sleep through the straggler delay drawn for ``step``, then the lead of its ``samples``."""
-        if self.active:
-            sleep(self.emulation.straggler_delay_s(step, self.rank, self.world_size))
-            sleep(self.emulation.lead_s(self.rank, samples, step))
+        if not self.active:
+            return
+        emulation, now = self.emulation, self._now()
+        block_s = emulation.block_s(self.rank, samples, step)
+        runs_on = self._runs_on_to == step and emulation.sample_cost_ms > 0 and now - self._deadline <= block_s
+        self._runs_on_to = None
+        self._lead_s = emulation.lead_s(self.rank, samples, step)
+        self._deadline = ((self._deadline if runs_on else now) + emulation.straggler_delay_s(step, self.rank,
+                          self.world_size) + self._lead_s)
+        self._sleep_until(self._deadline)
 
-    def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None) -> None:
+    def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None, *,
+               alone: bool = False) -> None:
         """Sleep so that a compute block of ``samples`` that took ``compute_s`` (delay and lead included), in
-        ``forwards`` micro-batches, lasts as long as on the emulated device; the straggler delay comes on top."""
-        if self.active:
-            self._check_memory(samples, forwards)
-            delay_s = self.emulation.straggler_delay_s(step, self.rank, self.world_size)
-            sleep(self.emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))
+        ``forwards`` micro-batches, lasts as long as on the emulated device; the straggler delay comes on top.
+        ``alone``: the rank exchanges nothing with others before step ``step + 1``, whose deadline then runs on
+        from this one's."""
+        if not self.active:
+            return
+        self._check_memory(samples, forwards)
+        emulation = self.emulation
+        if emulation.sample_cost_ms > 0:
+            self._deadline += emulation.block_s(self.rank, samples, step, forwards) - self._lead_s
+            self._sleep_until(self._deadline)
+            self._runs_on_to = step + 1 if alone else None
+        else:
+            delay_s = emulation.straggler_delay_s(step, self.rank, self.world_size)
+            (self._sleep or sleep)(emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))
+
+    def _now(self) -> float:
+        return (self._clock or time.perf_counter)()
+
+    def _sleep_until(self, deadline: float) -> None:
+        (self._sleep or sleep)(deadline - self._now())
 
     def _check_memory(self, samples: float, forwards: int | None) -> None:
         """Warn once if a forward held more samples than the emulated device's memory cap."""

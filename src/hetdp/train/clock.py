@@ -112,8 +112,10 @@ class StepClock:
         self.forwards = 0
         self.pacer.start(step, samples)
 
-    def mark_ready(self, last_bucket: bool) -> None:
-        """A gradient bucket is ready; after the last one, pad the compute to the emulated device's."""
+    def mark_ready(self, last_bucket: bool, alone: bool = False) -> None:
+        """A gradient bucket is ready; after the last one, pad the compute to the emulated device's. ``alone``: the
+        rank exchanges nothing with the others before its next step, whose emulated time then runs on from this
+        one's (``Pacer``)."""
         self._closed = bool(self._backwards)
         if not last_bucket:
             return
@@ -122,7 +124,8 @@ class StepClock:
             self._paced = None
             if self.pacer.active:
                 synchronize(self.device)
-                self.pacer.finish(step, samples, time.perf_counter() - self._started_at, max(self.forwards, 1))
+                self.pacer.finish(step, samples, time.perf_counter() - self._started_at, max(self.forwards, 1),
+                                  alone=alone)
         self._backwards.append([self._mark()])
         self._closed = False
 

@@ -38,10 +38,12 @@ class HookState:
         """Whether the ranks meet after this step (the synchronization then completes the step everywhere)."""
         self.reached = False
         """Whether this step's gradient has reached the synchronization (a heartbeat's progress tells)."""
+        self.local = isinstance(synchronizer, ParameterAveraging)
+        """Whether gradients stay on their rank: a step that no meeting follows then exchanges nothing."""
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         self.reached = True
-        self.clock.mark_ready(bucket.is_last())
+        self.clock.mark_ready(bucket.is_last(), alone=self.local and not self.meets)
         return self.synchronizer.reduce(bucket, self.samples, self.total, self.meets).then(self._synced)
 
     def _synced(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
