@@ -135,7 +135,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         place = (dist.get_rank(group), dist.get_world_size(group))
         if follow is not None:
             check_place(follow, place, group if own_group else None)
-        super().__init__(module, process_group=group, **buffer_options(sync_spec, ddp_options))
+        super().__init__(module, process_group=group, **buffer_options(sync_spec, ddp_options, place[1]))
         self.allocation, self.sync, self.step_timeout_s = policy, sync_spec, step_timeout_s
         self.rank, self.world_size = place
         self._own_group, self._group = own_group, group
