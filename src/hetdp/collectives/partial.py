@@ -28,7 +28,7 @@ from hetdp.collectives import doubling
 from hetdp.collectives.control import FLUSH, GO, IDLE_WAIT_S, LAST, POLL_S, ROLL_CALL_S, RoundControl, StoreLost
 from hetdp.collectives.protocol import MODES, Deposit, Mode, RoundBook, initiator
 from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError
-from hetdp.runtime import Timeouts
+from hetdp.runtime import Timeouts, defer_nccl_watchdog, group_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,11 @@ class PartialAllreduce:
         self._data_group = self._group
         if self.config.data_backend == "nccl":
             # The payload stays on the GPU and travels over NCCL (checked on one H100; the test suite is CPU-only).
+            defer_nccl_watchdog()
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = datetime.timedelta(seconds=group_timeout_s("nccl", timeouts.round_s))
             self._data_group = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", client.clone()), self.rank,
-                                                     self.world_size)
+                                                     self.world_size, options)
         settings = {"mode": self.config.mode, "required": required, "seed": self.config.seed, "rank": self.rank,
                     "ranks": self._ranks, "round_s": timeouts.round_s, "grace": self.config.grace,
                     "bypass": self.config.bypass}

@@ -75,7 +75,8 @@ class GradientSum(Synchronizer):
             return _done(buffer)
         doubles = route.peers is not None or (bucket.is_last() and doubling.is_latency_bound(buffer))
         if not (self.point_to_point and doubles) and route.peers is None:
-            work = dist.all_reduce(buffer, group=route.group, async_op=True)
+            with self._peer_failures():  # an NCCL group its watchdog aborted refuses the call itself
+                work = dist.all_reduce(buffer, group=route.group, async_op=True)
             return work.get_future().then(self._unwrap)
         host = buffer if buffer.device.type == "cpu" or not self.point_to_point else buffer.cpu()
         with self._peer_failures():
