@@ -114,6 +114,10 @@ class PartialResult:
     """Calls whose tensors the sum holds: the contributors' plus stale ones carried from earlier rounds."""
     missed: tuple[PartialResult, ...] = ()
     """Earlier rounds the same call returns, oldest first: rounds run while this rank was away."""
+    last: float | None = None
+    """The sum's last element, read on the host with the round's counters: a caller that keeps a weight there
+    (``PartialGradients``) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
+    device's whole queue)."""
 
     @property
     def rounds(self) -> tuple[PartialResult, ...]:
@@ -566,13 +570,14 @@ class PartialAllreduce:
             if error is not None:
                 self._book.fail(error)
                 return
-            tail = snapshot.payload[self.numel:].tolist()
+            last, arrivals, parts = snapshot.payload[self.numel - 1 :].tolist()  # one read of the host (or device)
             self._book.complete(round_index, PartialResult(
                 tensor=snapshot.payload[: self.numel].view(self._shape),
                 round=round_index,
-                contributors=round(tail[0]),
+                contributors=round(arrivals),
                 fresh=snapshot.arrived,
-                parts=round(tail[1]),
+                parts=round(parts),
+                last=last,
             ))
             if verdict != GO:
                 self._book.flushed()
