@@ -38,6 +38,9 @@ SILENCE_S = 2.5
 """A rank whose beat did not move in this long (more than two beats) is silent."""
 STORE_TIMEOUT_S = 5.0
 """Longest wait for one store operation of a heartbeat or a diagnosis."""
+VERDICT_S = SILENCE_S + 2 * STORE_TIMEOUT_S
+"""Longest a survivor takes to name the culprit once a collective failed: two reads of the beats ``SILENCE_S``
+apart, and the store's slowest answers. A watchdog that ends the process sooner (NCCL's) must wait past it."""
 CONNECT_TIMEOUT_S = 60.0
 """Longest wait to connect to the store: it answered ``init_process_group`` moments before, but a loaded machine
 may be slow to accept."""

@@ -61,9 +61,43 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     backend = backend or ("nccl" if gpu_per_local_rank() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        defer_nccl_watchdog()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeouts.connect_s))
     log.debug("rank %d of %d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+NCCL_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for the groups hetdp creates, unless the user set it: on a collective past its
+timeout NCCL's watchdog aborts the communicators but leaves the process alive (CleanUpOnly), so that the next wait
+raises in Python and becomes a ``PeerTimeoutError`` naming the dead peer. torch's default (3) ends the process
+from the watchdog's thread, before any heartbeat can say who died."""
+
+
+def defer_nccl_watchdog() -> None:
+    """Let NCCL groups created from now on abort their communicators on a timeout rather than the process (see
+    ``NCCL_ERROR_HANDLING``); a value the user set is kept. NCCL reads it as each group is created."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
+
+
+def group_timeout_s(backend: str, timeout_s: float) -> float:
+    """The timeout of a process group whose collectives hetdp waits on for ``timeout_s`` seconds.
+
+    The order of events when a peer dies: a wait of hetdp's fails after ``timeout_s``, then the heartbeat names
+    the culprit within ``liveness.VERDICT_S``, then the ``PeerTimeoutError`` is raised. NCCL's watchdog times
+    collectives out on its own and, with torch's default error handling, ends the process: its timeout must come
+    after both. gloo has no watchdog: its timeout is the wait's.
+    """
+    return timeout_s + liveness.VERDICT_S if backend == "nccl" else timeout_s
+
+
+def new_step_group(timeout_s: float) -> dist.ProcessGroup:
+    """Collective: a new group of every rank for a model's steps, whose failures surface within ``timeout_s`` as a
+    ``PeerTimeoutError`` naming the peer (see ``group_timeout_s``)."""
+    backend = dist.get_backend()
+    if backend == "nccl":
+        defer_nccl_watchdog()
+    return dist.new_group(timeout=datetime.timedelta(seconds=group_timeout_s(backend, timeout_s)))
 
 
 def _import_dynamo() -> None:

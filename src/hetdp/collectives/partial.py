@@ -28,7 +28,7 @@ from hetdp.collectives import doubling
 from hetdp.collectives.control import FLUSH, GO, IDLE_WAIT_S, LAST, POLL_S, ROLL_CALL_S, RoundControl, StoreLost
 from hetdp.collectives.protocol import MODES, Deposit, Mode, RoundBook, initiator
 from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError
-from hetdp.runtime import Timeouts
+from hetdp.runtime import Timeouts, defer_nccl_watchdog, group_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,10 @@ class PartialResult:
     """Calls whose tensors the sum holds: the contributors' plus stale ones carried from earlier rounds."""
     missed: tuple[PartialResult, ...] = ()
     """Earlier rounds the same call returns, oldest first: rounds run while this rank was away."""
+    last: float | None = None
+    """The sum's last element, read on the host with the round's counters: a caller that keeps a weight there
+    (``PartialGradients``) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
+    device's whole queue)."""
 
     @property
     def rounds(self) -> tuple[PartialResult, ...]:
@@ -267,8 +271,11 @@ class PartialAllreduce:
         self._data_group = self._group
         if self.config.data_backend == "nccl":
             # The payload stays on the GPU and travels over NCCL (checked on one H100; the test suite is CPU-only).
+            defer_nccl_watchdog()
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = datetime.timedelta(seconds=group_timeout_s("nccl", timeouts.round_s))
             self._data_group = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "nccl/", client.clone()), self.rank,
-                                                     self.world_size)
+                                                     self.world_size, options)
         settings = {"mode": self.config.mode, "required": required, "seed": self.config.seed, "rank": self.rank,
                     "ranks": self._ranks, "round_s": timeouts.round_s, "grace": self.config.grace,
                     "bypass": self.config.bypass}
@@ -563,13 +570,14 @@ class PartialAllreduce:
             if error is not None:
                 self._book.fail(error)
                 return
-            tail = snapshot.payload[self.numel:].tolist()
+            last, arrivals, parts = snapshot.payload[self.numel - 1 :].tolist()  # one read of the host (or device)
             self._book.complete(round_index, PartialResult(
                 tensor=snapshot.payload[: self.numel].view(self._shape),
                 round=round_index,
-                contributors=round(tail[0]),
+                contributors=round(arrivals),
                 fresh=snapshot.arrived,
-                parts=round(tail[1]),
+                parts=round(parts),
+                last=last,
             ))
             if verdict != GO:
                 self._book.flushed()

@@ -64,29 +64,35 @@ def average_parameters(
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 60.0,
     carry: torch.Tensor | None = None,
+    alongside: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Replace the model's parameters and float buffers with sum over ranks of weight_r * w_r, on every rank.
 
     The weights of all ranks must sum to 1 (C-ADP: D_i / D); a rank with weight 0
     contributes nothing and receives the merged model. ``carry`` (float64 figures, on any device)
-    rides along, summed unweighted, and is returned.
+    rides along, summed unweighted, and is returned. ``alongside`` (a tensor of the model's size, say, already
+    weighted) is summed over the ranks in place, in its own dtype: no float64 copy of it is ever made.
+
+    The merge holds one copy of the model, in float32 (float64 only where a tensor is): a weighted sum of
+    16-bit parameters rounds once, to their own precision, when it is copied back.
 
     Raises:
         PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
+    if weight == 1.0 and dist.get_world_size(group) == 1:  # alone: the merge is this replica, with no collective
+        return None if carry is None else carry.to(torch.float64).reshape(-1)
     tensors = float_state(model)
-    merged = flatten(tensors) * weight
-    if carry is None or merged.dtype == torch.float64:
-        flat = merged if carry is None else torch.cat([merged, carry.to(merged.device, torch.float64).reshape(-1)])
-        wait_for(dist.all_reduce(flat, group=group, async_op=True), "parameter merge", timeout_s, group)
-        unflatten_into(tensors, flat)
-        return flat[flat.numel() - carry.numel() :] if carry is not None else None
-    # The figures keep float64 (step counts, seconds): they ride in a collective of their own, started together.
-    figures = carry.to(merged.device, torch.float64).reshape(-1)
-    works = [dist.all_reduce(merged, group=group, async_op=True), dist.all_reduce(figures, group=group, async_op=True)]
+    merged = flatten(tensors).mul_(weight)
+    figures = None if carry is None else carry.to(merged.device, torch.float64).reshape(-1)
+    extra = None if alongside is None else alongside.to(merged.device)
+    # Each keeps its dtype (the figures are step counts and seconds) in a collective of its own, started together.
+    works = [dist.all_reduce(tensor, group=group, async_op=True) for tensor in (merged, figures, extra)
+             if tensor is not None]
     for work in works:
         wait_for(work, "parameter merge", timeout_s, group)
     unflatten_into(tensors, merged)
+    if extra is not None and extra is not alongside:
+        alongside.copy_(extra)  # type: ignore[union-attr]
     return figures
 
 

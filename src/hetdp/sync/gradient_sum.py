@@ -49,7 +49,9 @@ class GradientSum(Synchronizer):
     meets_every_step = True
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, paths: Paths | None = None) -> None:
-        self.route = Route(group, dist.get_rank(group), dist.get_world_size(group))
+        world_size = dist.get_world_size(group)
+        # Alone in the group, a rank has nothing to exchange: no collective at all (torch's DDP still runs one).
+        self.route = Route(group if world_size > 1 else None, dist.get_rank(group), world_size)
         self.point_to_point = paths.point_to_point if paths is not None else dist.get_backend(group) == "gloo"
         self.timeout_s = timeout_s
         self.rounds = 0
@@ -66,13 +68,15 @@ class GradientSum(Synchronizer):
         tag = self.rounds * MAX_BUCKETS + bucket.index()  # the same on every rank, whatever its route
         if bucket.is_last():
             self.rounds += 1
+        weight = samples / total if route.world_size else 0.0
+        if weight != 1.0:  # alone in a step of its own samples, the gradient is already the step's
+            buffer.mul_(weight)
         if route.group is None:  # out of the step (weight 0, nothing to receive) or alone in it (nothing to add)
-            buffer.mul_(samples / total if route.world_size == 1 else 0.0)
             return _done(buffer)
-        buffer.mul_(samples / total)
         doubles = route.peers is not None or (bucket.is_last() and doubling.is_latency_bound(buffer))
         if not (self.point_to_point and doubles) and route.peers is None:
-            work = dist.all_reduce(buffer, group=route.group, async_op=True)
+            with self._peer_failures():  # an NCCL group its watchdog aborted refuses the call itself
+                work = dist.all_reduce(buffer, group=route.group, async_op=True)
             return work.get_future().then(self._unwrap)
         host = buffer if buffer.device.type == "cpu" or not self.point_to_point else buffer.cpu()
         with self._peer_failures():

@@ -162,7 +162,8 @@ class PartialGradients(Synchronizer):
 
     def _round(self, result: PartialResult) -> GradientRound:
         flat = result.tensor.reshape(-1)
-        return GradientRound(weighted_sum=flat[: self.numel], samples=float(flat[self.numel]), result=result)
+        samples = result.last if result.last is not None else float(flat[self.numel])
+        return GradientRound(weighted_sum=flat[: self.numel], samples=samples, result=result)
 
     # --- as the drop-in's synchronization ------------------------------------------------------------------
 
@@ -236,12 +237,12 @@ class PartialGradients(Synchronizer):
         if self._flushed:
             self._flushed = False
             return average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s, carry=carry)
-        carried, self.carried = combine(self.carried, self._nothing) * weight, []
-        figures = torch.zeros(0, dtype=torch.float64) if carry is None else carry.to(torch.float64).reshape(-1)
-        summed = average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s,
-                                    carry=torch.cat([figures, carried.to(figures)]))
-        self._owed += summed[figures.numel() :].to(self._owed)  # type: ignore[index]
-        return None if carry is None else summed[: figures.numel()]  # type: ignore[index]
+        carried, self.carried = combine(self.carried, self._nothing).mul_(weight), []
+        # The rounds carried ride in the gradient's own dtype and device, beside the merge: no float64 copy.
+        figures = average_parameters(model, weight, group=self.group, timeout_s=self.timeout_s, carry=carry,
+                                     alongside=carried)
+        self._owed += carried
+        return figures
 
     def close(self, on_round: Callable[[GradientRound], None] | None = None) -> list[GradientRound]:  # type: ignore[override]
         """Flush and stop the partial allreduce (idempotent; every rank calls it)."""

@@ -7,7 +7,7 @@ import time
 import torch
 
 from hetdp.cluster.emulate import Pacer
-from hetdp.runtime import synchronize
+from hetdp import runtime
 
 Mark = float | torch.cuda.Event
 """A moment of a step: ``time.perf_counter()`` on the host, or an event on a CUDA device's stream."""
@@ -49,7 +49,13 @@ class StepTimes:
         if self._figures is None:
             start = self._start
             if isinstance(start, torch.cuda.Event):
-                self._backwards[-1][-1].synchronize()
+                # elapsed_time needs both events completed. A step's marks lie on more than one stream (a comm
+                # hook's callback records on a stream that waited for its exchange; a second backward may run
+                # elsewhere), so the last recorded need not be the last to complete: wait for each (a completed
+                # one returns at once). This runs at a gather, never on the step path.
+                for marks in self._backwards:
+                    for mark in marks:
+                        mark.synchronize()  # type: ignore[union-attr]
 
                 def seconds(mark: Mark) -> float:
                     return start.elapsed_time(mark) / 1000.0  # type: ignore[union-attr, arg-type]
@@ -123,7 +129,7 @@ class StepClock:
             step, samples = self._paced
             self._paced = None
             if self.pacer.active:
-                synchronize(self.device)
+                runtime.synchronize(self.device)  # the one host sync, and only while pacing
                 self.pacer.finish(step, samples, time.perf_counter() - self._started_at, max(self.forwards, 1),
                                   alone=alone)
         self._backwards.append([self._mark()])

@@ -12,7 +12,6 @@ step (``step``), the gathers and re-plans (``planning``), the epochs' figures
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import weakref
 from types import TracebackType
@@ -28,7 +27,7 @@ from hetdp.cluster.emulate import Emulation
 from hetdp.collectives.paths import agree_in_group
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
-from hetdp.runtime import peer_failures
+from hetdp.runtime import new_step_group, peer_failures
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.policy import SyncPolicy, sync_policy
 from hetdp.train.allocating import Allocating
@@ -132,11 +131,11 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
             check_follows(follow, DistributedDataParallel, own_settings=allocation is not None or emulation is not None,
                           sync=sync_spec)
         own_group = process_group is None
-        group = dist.new_group(timeout=datetime.timedelta(seconds=step_timeout_s)) if own_group else process_group
+        group = new_step_group(step_timeout_s) if own_group else process_group
         place = (dist.get_rank(group), dist.get_world_size(group))
         if follow is not None:
             check_place(follow, place, group if own_group else None)
-        super().__init__(module, process_group=group, **buffer_options(sync_spec, ddp_options))
+        super().__init__(module, process_group=group, **buffer_options(sync_spec, ddp_options, place[1]))
         self.allocation, self.sync, self.step_timeout_s = policy, sync_spec, step_timeout_s
         self.rank, self.world_size = place
         self._own_group, self._group = own_group, group

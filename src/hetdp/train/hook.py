@@ -44,7 +44,11 @@ class HookState:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         self.reached = True
         self.clock.mark_ready(bucket.is_last(), alone=self.local and not self.meets)
-        return self.synchronizer.reduce(bucket, self.samples, self.total, self.meets).then(self._synced)
+        combined = self.synchronizer.reduce(bucket, self.samples, self.total, self.meets)
+        if combined.done():  # combined already (alone, the small last bucket, partial, local): no callback to run
+            self.clock.mark_synced()
+            return combined
+        return combined.then(self._synced)
 
     def _synced(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         self.clock.mark_synced()
@@ -95,10 +99,11 @@ def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, 
     return PartialGradients(like, spec.partial_config(), group, sync_every=spec.sync_every, timeout_s=timeout_s)
 
 
-def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any]) -> dict[str, Any]:
+def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any], world_size: int) -> dict[str, Any]:
     """torch DDP's options with its forward broadcast of rank 0's buffers off, unless the user set it, where the
-    synchronization is partial or local: there it would make every forward wait for rank 0."""
-    every_step = isinstance(spec, Allreduce)
+    synchronization is partial or local (there it would make every forward wait for rank 0), and alone (a rank by
+    itself has nobody to take buffers from: torch's DDP would still run the broadcast, a collective, every forward)."""
+    every_step = isinstance(spec, Allreduce) and world_size > 1
     if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
         ddp_options.setdefault("forward_sync_buffers", every_step)
     elif not every_step:

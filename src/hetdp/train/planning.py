@@ -199,6 +199,10 @@ class Planner:
     def _start_planning(self) -> None:
         pending, self._pending = self._pending, []
         row = self._row(pending, [])
+        if self.world_size == 1:  # alone: nothing to wait for, and no collective
+            self._record([row], pending)
+            self._plan(row.horizon + PLAN_LAG, epoch_end=False)
+            return
         mine = torch.tensor(row.values(), dtype=torch.float64, device=self.device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
@@ -243,6 +247,8 @@ class Planner:
             summed = self.synchronizer.meet(self.module, carry.reshape(-1))
             self.since_meeting = 0
             gathered = summed.reshape(self.world_size, len(values)).cpu()  # type: ignore[union-attr]
+        elif self.world_size == 1:  # alone: the row is every rank's, with no collective (and no device copy)
+            gathered = torch.tensor([values], dtype=torch.float64)
         else:
             mine = torch.tensor(values, dtype=torch.float64, device=self.device)
             rows = [torch.empty_like(mine) for _ in range(self.world_size)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetdp import runtime
 from hetdp.cluster.emulate import Emulation
 from hetdp.train import clock as clock_module
 from hetdp.train.clock import StepClock, StepTimes, TimesTotal
@@ -29,7 +30,7 @@ def fake_time(monkeypatch):
 def device_syncs(monkeypatch):
     """The clock's device-synchronize seam, counted."""
     calls: list[torch.device] = []
-    monkeypatch.setattr(clock_module, "synchronize", calls.append)
+    monkeypatch.setattr(runtime, "synchronize", calls.append)
     return calls
 
 
