@@ -1,12 +1,15 @@
 """Ranks that sit out: the drop-in's side of the allocation's membership decision (``allocate.membership``).
 
-A rank that sits out keeps running the user's loop in step with the others, on
-stand-in batches (no share), but leaves the step's gradient exchange: the members
-sum among themselves (nothing when one rank is left). Its replica
-then falls behind; it is brought current (parameters, buffers and the state of the
-optimizers over them, broadcast from a member) before it rejoins, at each epoch's
-end and before a checkpoint, so that whatever the loop reads there is the model
-every member holds.
+A rank that sits out keeps running the user's loop, one stand-in batch per step
+(no share), but leaves the step's gradient exchange: the members sum among
+themselves (nothing when one rank is left). Its steps must cost the members
+nothing: they share the machine's cores, the bus and the host with it. So its
+forward runs the module on the stand-in without gradients, in eval mode, and skips
+torch DDP's own forward (``StandIn``): its backward then computes nothing and
+exchanges nothing. Its replica falls behind; it is brought current (parameters,
+buffers and the state of the optimizers over them, from a member) before it
+rejoins, at each epoch's end and before a checkpoint, so that whatever the loop
+reads there is the model every member holds.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map
 
 from hetdp.runtime import global_rank, peer_failures
 from hetdp.sync.gradient_sum import GradientSum, Route
+from hetdp.train.step import evaluating
 
 
 class SitOut:
@@ -46,6 +51,9 @@ class SitOut:
         """The step before which a rank rejoins: the ranks catch up as the step before it ends."""
         self.apart = False
         """Whether some rank sat out a step since the ranks last caught up."""
+        self.exchanges: list[weakref.ref[GradientSum]] = []
+        """The exchanges of the model and of those that follow it. A rank runs none while it sits out, so its count
+        of rounds (which tags the point-to-point sends) is brought current with its replica."""
 
     def members_at(self, step: int) -> tuple[int, ...]:
         for first, members in reversed(self._schedule):
@@ -86,22 +94,43 @@ class SitOut:
     def catch_up(self, steps_done: int, modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer],
                  *, state: bool = True) -> None:
         """Collective: give every rank the replica of the first member of the step just ended (``steps_done - 1``):
-        parameters and buffers, and with ``state`` the optimizers' state too (a rank that rejoins steps with it; at
-        an epoch's end, what the loop reads is the model)."""
+        parameters and buffers, and with ``state`` the optimizers' state and the exchanges' rounds too (a rank that
+        rejoins steps with them; at an epoch's end, what the loop reads is the model)."""
         keeper = global_rank(self.members_at(max(steps_done - 1, 0))[0], self.group)
         with peer_failures("bringing the ranks that sat out current", self.timeout_s, self.group):
-            for module in modules:
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(tensor.data, keeper, group=self.group)
+            _broadcast([tensor.data for module in modules for tensor in (*module.parameters(), *module.buffers())],
+                       keeper, self.group)
             if not state:
                 return
-            for optimizer in optimizers:
-                held = [_to_cpu(optimizer.state_dict())]
-                dist.broadcast_object_list(held, keeper, group=self.group)
-                if dist.get_rank() != keeper:
-                    optimizer.load_state_dict(held[0])
+            exchanges = [exchange for ref in self.exchanges if (exchange := ref()) is not None]
+            optimizers = list(optimizers)
+            held = [[exchange.rounds for exchange in exchanges], [_to_cpu(o.state_dict()) for o in optimizers]]
+            dist.broadcast_object_list(held, keeper, group=self.group)
+            if dist.get_rank() != keeper:
+                for exchange, rounds in zip(exchanges, held[0]):
+                    exchange.rounds = rounds
+                for optimizer, saved in zip(optimizers, held[1]):
+                    optimizer.load_state_dict(saved)
         self.catch_up_at = None
         self.apart = False
+
+
+def _broadcast(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+    """Broadcast ``tensors`` from ``src`` in place, as one message per dtype: a model of many small tensors would
+    pay a collective's latency for each."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for alike in by_dtype.values():
+        device = alike[0].device
+        flat = torch.cat([tensor.reshape(-1).to(device) for tensor in alike])
+        dist.broadcast(flat, src, group=group)
+        if dist.get_rank() == src:
+            continue
+        offset = 0
+        for tensor in alike:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
 
 
 class Optimizers:
@@ -178,6 +207,71 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+class StandIn:
+    """The steps a rank sits out, run for next to nothing: what the loop asks of them, and no more.
+
+    The stand-in's forward runs the module without gradients, in eval mode (no
+    BatchNorm statistics from it) and outside torch DDP (no reducer, no buffer
+    broadcast): nothing of the step leaves the rank. Its floating-point outputs are
+    tied to one zero-valued anchor, so that the loop's loss still has a backward;
+    that backward computes nothing but the anchor's gradient, and gives every
+    parameter of the models a zero gradient, as a stand-in weighted 0 had (a
+    ``GradScaler`` and the loop's clipping find gradients; ``Optimizers`` still
+    skips the step).
+    """
+
+    def __init__(self) -> None:
+        self._modules: list[weakref.ref[nn.Module]] = []
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+        self._zeros: dict[int, torch.Tensor] = {}
+        """A zero gradient per parameter (by ``id``), kept while the rank sits out: allocating one each step costs
+        the host more than zeroing it."""
+
+    def add(self, module: nn.Module) -> None:
+        self._modules.append(weakref.ref(module))
+
+    def forward(self, model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The output of ``model``'s module on a stand-in batch, with a backward that costs nothing."""
+        if model.device_ids:  # torch DDP would have moved the inputs to the module's device
+            device = torch.device(model.device_type, model.device_ids[0])
+            inputs, kwargs = tree_map(lambda value: _moved(value, device), (inputs, kwargs))
+        with torch.no_grad(), evaluating(model.module):
+            output = model.module(*inputs, **kwargs)
+        return tree_map(self._tied, output)
+
+    def rejoined(self) -> None:
+        """This rank takes part again: free the zero gradients."""
+        self._zeros.clear()
+
+    def _tied(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+            return value
+        anchor = self._anchors.get(value.device)
+        if anchor is None:
+            anchor = self._anchors[value.device] = torch.zeros((), device=value.device, requires_grad=True)
+            anchor.register_hook(self._backward)
+        return value + anchor
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        for ref in self._modules:
+            if (module := ref()) is None:
+                continue
+            for parameter in module.parameters():
+                if not parameter.requires_grad:
+                    continue
+                if parameter.grad is None:
+                    zeros = self._zeros.get(id(parameter))
+                    if zeros is None or zeros.shape != parameter.shape:
+                        zeros = self._zeros[id(parameter)] = torch.zeros_like(parameter)
+                    parameter.grad = zeros.zero_()
+                else:
+                    parameter.grad.zero_()
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
 class SitOutSeam:
     """A model's side of sitting out (``hetdp.DDP`` under allreduce): each step's gradient routed to the step's
     members, torch's forward broadcast of buffers off while some rank is out, the ranks that sat out brought current.
@@ -186,11 +280,23 @@ class SitOutSeam:
     that follows it shares its schedule, and its catch-ups are the leader's.
     """
 
-    def __init__(self, model: Any, sitting: SitOut, optimizers: Optimizers | None) -> None:
+    def __init__(self, model: Any, sitting: SitOut, optimizers: Optimizers | None, stand_in: StandIn) -> None:
         self.sitting = sitting
         self.optimizers = optimizers
         """None on a model that follows another."""
+        self.stand_in = stand_in
+        """The leader's, shared: one backward through any of the models' stand-in outputs zeroes all their
+        gradients."""
+        self.out = False
+        """Whether this rank sits out the open step: its forwards run ``stand_in``."""
+        self.alone = False
+        """Whether this rank is the open step's only member while others sit out: it has nothing to exchange."""
+        self._hook = model._hook
+        self._queued = False
+        """Whether the end of the running backward is awaited (``_backward_ended``)."""
         self._syncs_buffers = _buffer_sync(model, None)
+        stand_in.add(model.module)
+        sitting.exchanges.append(weakref.ref(model.synchronizer))
 
     @classmethod
     def of(cls, model: Any, synchronizer: Any, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
@@ -202,8 +308,8 @@ class SitOutSeam:
         if not isinstance(synchronizer, GradientSum):
             return None
         if leader is not None:
-            return cls(model, leader.sitting, None)
-        return cls(model, SitOut(group, timeout_s), Optimizers([module]))
+            return cls(model, leader.sitting, None, leader.stand_in)
+        return cls(model, SitOut(group, timeout_s), Optimizers([module]), StandIn())
 
     def route(self, model: Any, step: int) -> None:
         """Send the step's gradient to its members only; while some rank sits out, torch's forward broadcast of
@@ -214,8 +320,50 @@ class SitOutSeam:
             route = Route(model._group, route.rank, route.world_size, None if everyone else route.peers)
         model.synchronizer.route = route
         _buffer_sync(model, self._syncs_buffers and everyone)
+        if self.out and route.world_size:
+            self.stand_in.rejoined()
+        self.out = route.world_size == 0
+        self.alone = route.world_size == 1 and not everyone
         if self.optimizers is not None:
-            self.optimizers.out = route.world_size == 0
+            self.optimizers.out = self.out
+
+    def shortcut(self, model: Any) -> bool:
+        """Whether this rank's forwards in the open step bypass torch DDP's reducer: it sits the step out, or it is
+        the step's only member and the loop accumulates nothing under ``no_sync`` (nothing to weigh or exchange)."""
+        if self.out:
+            return True
+        accumulation = model._steps.accumulation
+        return self.alone and model.require_backward_grad_sync and (accumulation is None or not accumulation.waiting)
+
+    def forward(self, model: Any, ddp_forward: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A forward that ``shortcut`` allows: a stand-in's, or the lone member's as under torch's ``no_sync``, its
+        gradient left in ``.grad`` by autograd (it is the mean over the whole step's samples already) rather than
+        copied through the reducer's buckets and back. The end of each backward through its output marks the
+        step's compute done, as the last bucket would."""
+        if self.out:
+            return self.stand_in.forward(model, inputs, kwargs)
+        model.require_backward_grad_sync = False
+        try:
+            output = ddp_forward(*inputs, **kwargs)
+        finally:
+            model.require_backward_grad_sync = True
+        tree_map(self._watch, output)
+        return output
+
+    def _watch(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        self._hook.reached = True
+        self._hook.clock.mark_ready(last_bucket=True)
+        self._hook.clock.mark_synced()
 
     def catch_up(self, steps_done: int, modules: Sequence[nn.Module], force: bool = False, state: bool = True) -> None:
         """Bring the ranks that sat out current where one rejoins, or, with ``force``, wherever some rank sat out
