@@ -18,15 +18,25 @@ from hetdp.train.loader import StepSampler
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model  # noqa: E402
 
+# A module's launches run several scenarios each and take their time on a loaded machine: more than the 300 s a test
+# may take by default, its fixtures' launches included.
+pytestmark = pytest.mark.timeout(900)
+
 RANKS = 4
-EMULATION = Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=1.0)
+# 4 ms a sample at speed 1: the emulated times stay well above the real compute of the tiny models even when other
+# tests' processes slow it several times (at 1 ms, the measured speeds evened out on a loaded machine); an epoch of
+# the emulated scenarios still waits only about 1.5 s.
+EMULATION = Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=4.0)
 BF16_ATOL = 4e-3
 
 
-def launch(torchrun, worker: str, out: Path, scenario: str, env: dict | None = None) -> list[dict]:
-    torchrun(worker, RANKS, "--out", out, "--scenario", scenario, env=env, timeout_s=300)
+def launch(torchrun, worker: str, out: Path, scenarios: list[str], env: dict | None = None) -> dict[str, list[dict]]:
+    """Run ``scenarios`` one after another in one launch (each rank imports its framework once); every scenario's
+    results, one per rank."""
+    torchrun(worker, RANKS, "--out", out, "--scenarios", ",".join(scenarios), env=env, timeout_s=500)
     prefix = worker.removesuffix("_worker.py")
-    return [json.loads((out / f"{prefix}_{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
+    return {scenario: [json.loads((out / f"{prefix}_{scenario}_{rank}.json").read_text()) for rank in range(RANKS)]
+            for scenario in scenarios}
 
 
 def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3,
@@ -69,10 +79,25 @@ def reference(size: int, global_batch: int, epochs: int, every: int, total_steps
 
 
 @pytest.fixture(scope="module")
-def lightning_exact(tmp_path_factory, torchrun) -> tuple[list[dict], Path]:
+def lightning_first(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], Path]:
+    """The launch of the exact scenario, the fit interrupted after a checkpoint and the one under local SGD."""
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lightning")
-    return launch(torchrun, "lightning_worker.py", out, "exact"), out
+    return launch(torchrun, "lightning_worker.py", out, ["exact", "interrupted", "local"]), out
+
+
+@pytest.fixture(scope="module")
+def lightning_second(lightning_first, torchrun) -> dict[str, list[dict]]:
+    """A second launch: it resumes the interrupted fit, then fits under the emulation of ``hetdp run``. The emulation
+    only paces the resumed fit's static shares; its exact comparison would catch anything else."""
+    _, out = lightning_first
+    return launch(torchrun, "lightning_worker.py", out, ["resumed", "emulated"], env=EMULATION.to_env())
+
+
+@pytest.fixture(scope="module")
+def lightning_exact(lightning_first) -> tuple[list[dict], Path]:
+    results, out = lightning_first
+    return results["exact"], out
 
 
 def test_lightning_unequal_shares_train_as_one_process_on_the_global_batch(lightning_exact):
@@ -128,8 +153,8 @@ def test_lightning_bf16_mixed_precision_keeps_the_exact_gradient_weighting(light
     assert gap <= BF16_ATOL < wrong / 2, (gap, wrong)
 
 
-def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterrupted_run_ends(tmp_path, torchrun):
-    pytest.importorskip("lightning")
+def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterrupted_run_ends(lightning_first,
+                                                                                              lightning_second):
     # The exact scenario's fit with an AdamW step per batch (8 steps, the OneCycle schedule over 8): a
     # ModelCheckpoint(every_n_train_steps=5) saves after the fifth, the second epoch's first batch, and the fit stops
     # there; a second launch resumes with trainer.fit(ckpt_path=...). The checkpoint holds hetdp's state ("hetdp":
@@ -138,31 +163,30 @@ def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterr
     # running the 8 steps uninterrupted ends (which the exact scenario's hetdp run matches). A loader restarted at the
     # epoch's first batch would train batch 0 again, and one reporting only the batches left would end Lightning's
     # epoch a batch early.
-    interrupted = launch(torchrun, "lightning_worker.py", tmp_path, "interrupted")[0]
+    first, out = lightning_first
+    interrupted = first["interrupted"][0]
     assert interrupted["global_step"] == 5 and len(interrupted["blocks"]) == 5, interrupted
-    results = launch(torchrun, "lightning_worker.py", tmp_path, "resumed")
+    results = lightning_second["resumed"]
     for result in results:
         assert result["saved"] == [1, 1] and result["steps_done"] == 8 and result["global_step"] == 8, result
     assert results[0]["blocks"] == [[2, 4, 6, 4]] * 2 + [[0, 1, 1, 0]], results[0]["blocks"]
     expected, _ = reference(50, 16, 2, every=1, total_steps=8)
-    for name, tensor in torch.load(tmp_path / "lightning_resumed.pt").items():
+    for name, tensor in torch.load(out / "lightning_resumed.pt").items():
         torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
     # hetdp's own step checkpoints hold none of Lightning's loop state: one ConfigError naming Lightning's.
     assert "ModelCheckpoint" in results[0]["refused"] and "ckpt_path" in results[0]["refused"], results[0]
 
 
-def test_lightning_checkpoint_under_local_sgd_holds_the_model_every_rank_holds(tmp_path, torchrun):
-    pytest.importorskip("lightning")
+def test_lightning_checkpoint_under_local_sgd_holds_the_model_every_rank_holds(lightning_first):
     # Under local SGD the replicas train apart until the epoch ends; a ModelCheckpoint inside the epoch makes them
     # meet first, so the file holds the one model every rank then continues from (rank 0's alone otherwise).
-    results = launch(torchrun, "lightning_worker.py", tmp_path, "local")
+    results = lightning_first[0]["local"]
     assert [result["saved_gap"] for result in results] == [0.0] * RANKS, results
 
 
-def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
-    pytest.importorskip("lightning")
+def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(lightning_second):
     # The emulation reaches the strategy through the environment only (hetdp run sets it): no code.
-    result = launch(torchrun, "lightning_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+    result = lightning_second["emulated"][0]
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
@@ -172,10 +196,18 @@ def test_lightning_adaptive_shares_follow_the_emulated_speeds_within_the_first_e
 
 
 @pytest.fixture(scope="module")
-def accelerate_exact(tmp_path_factory, torchrun) -> tuple[list[dict], Path]:
+def accelerate_runs(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], Path]:
+    """One launch under the emulation of ``hetdp run``: the exact scenario (static shares, which the emulation only
+    paces), then adaptive shares."""
     pytest.importorskip("accelerate")
     out = tmp_path_factory.mktemp("accelerate")
-    return launch(torchrun, "accelerate_worker.py", out, "exact"), out
+    return launch(torchrun, "accelerate_worker.py", out, ["exact", "emulated"], env=EMULATION.to_env()), out
+
+
+@pytest.fixture(scope="module")
+def accelerate_exact(accelerate_runs) -> tuple[list[dict], Path]:
+    results, out = accelerate_runs
+    return results["exact"], out
 
 
 def test_accelerate_unequal_shares_train_as_one_process_on_the_global_batch(accelerate_exact):
@@ -205,9 +237,8 @@ def test_accelerate_refuses_a_second_trainable_model_and_a_comm_hook_of_its_own(
     assert "comm hook" in refused["comm_hook"] and "one model" in refused["second_model"], refused
 
 
-def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
-    pytest.importorskip("accelerate")
-    result = launch(torchrun, "accelerate_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(accelerate_runs):
+    result = accelerate_runs[0]["emulated"][0]
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
@@ -243,25 +274,33 @@ def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted:
     return model.state_dict()
 
 
-def test_transformers_unequal_shares_count_the_token_normalization_once(tmp_path, torchrun):
+@pytest.fixture(scope="module")
+def transformers_runs(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], Path]:
+    """One launch under the emulation of ``hetdp run``: the exact scenario (static shares, which the emulation only
+    paces), then adaptive shares."""
     pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("transformers")
+    return launch(torchrun, "transformers_worker.py", out, ["exact", "emulated"], env=EMULATION.to_env()), out
+
+
+def test_transformers_unequal_shares_count_the_token_normalization_once(transformers_runs):
     # A tiny GPT-2 on sequences of 4 to 12 tokens: transformers divides each rank's loss by the step's token count
     # over all ranks (average_tokens_across_devices) and scales it by the number of ranks. Weighed again by the
     # shares, the gradient would count the ranks' shares twice; a stand-in batch's tokens would count too.
-    results = launch(torchrun, "transformers_worker.py", tmp_path, "exact")
+    runs, out = transformers_runs
+    results = runs["exact"]
     blocks = results[0]["blocks"]
     assert blocks == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]], blocks
     for result in results:
         assert result["batches"] == 4 and result["updates"] == 4 and result["epochs"] == 2 and result["closed"]
     expected = lm_reference(50, 16, 2, every=2, shifted=results[0]["shifts_labels"], seed=results[0]["seed"])
-    for name, tensor in torch.load(tmp_path / "transformers_exact.pt").items():
+    for name, tensor in torch.load(out / "transformers_exact.pt").items():
         if name in expected:
             torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_transformers_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(tmp_path, torchrun):
-    pytest.importorskip("transformers")
-    result = launch(torchrun, "transformers_worker.py", tmp_path, "emulated", env=EMULATION.to_env())[0]
+def test_transformers_adaptive_shares_follow_the_emulated_speeds_within_the_first_epoch(transformers_runs):
+    result = transformers_runs[0]["emulated"][0]
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,13 +11,20 @@ RANKS = 4
 CALLS = 8
 
 
+@pytest.fixture(scope="module")
+def standby(tmp_path_factory, torchrun) -> Path:
+    """One launch that runs the majority mode's gather, then the quorum mode's."""
+    out = tmp_path_factory.mktemp("standby")
+    torchrun("standby_worker.py", RANKS, "--out", out, "--modes", "majority,quorum", "--calls", CALLS, timeout_s=120)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["majority", "quorum"])
-def test_a_rank_in_standby_fires_the_rounds_the_last_rank_needs(torchrun, tmp_path, mode):
+def test_a_rank_in_standby_fires_the_rounds_the_last_rank_needs(standby, mode):
     # The last rank joins the gather only after 8 contributions; in majority mode about 3 in 4 of those rounds have
     # a waiting rank as initiator, and in quorum mode (k = 2) every one needs a waiting rank to arrive.
-    torchrun("standby_worker.py", RANKS, "--out", tmp_path, "--mode", mode, "--calls", CALLS, timeout_s=120)
     for rank in range(RANKS):
-        result = json.loads((tmp_path / f"standby_{rank}.json").read_text())
+        result = json.loads((standby / f"standby_{mode}_{rank}.json").read_text())
         assert result["gathered"] == [float(r) for r in range(RANKS)]
         assert result["samples"] == CALLS, (rank, result)  # every contribution reached every rank exactly once
 

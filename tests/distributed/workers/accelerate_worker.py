@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_integrations.py: an Accelerate loop with hetdp's Accelerator, one scenario each.
+"""Worker for tests/distributed/test_integrations.py: an Accelerate loop with hetdp's Accelerator, the scenarios given
+one after another in each process.
 
 "exact": unequal static shares, AdamW with clipping when gradients sync, two batches accumulated per optimizer step
 through ``accelerator.accumulate``, a last step of 2 samples for 4 ranks, and an evaluation loader gathered with
@@ -35,7 +36,7 @@ def train(accelerator: Accelerator, model, optimizer, loader, epochs: int, clip:
                 optimizer.zero_grad()
 
 
-def run(scenario: str, out: Path) -> tuple[int, dict]:
+def run(scenario: str, out: Path) -> tuple[Accelerator, dict]:
     if scenario == "exact":
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
                                   allocation=hetdp.Static((1.0, 2.0, 3.0, 2.0)))
@@ -75,17 +76,20 @@ def run(scenario: str, out: Path) -> tuple[int, dict]:
         result = {"shares": report.shares, "replans": report.replans, "speeds": list(ddp.emulation.speeds)}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    accelerator.end_training()  # closes the hetdp model too
-    return accelerator.process_index, result
+    return accelerator, result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in this order")
     args = parser.parse_args()
-    rank, result = run(args.scenario, args.out)
-    (args.out / f"accelerate_{args.scenario}_{rank}.json").write_text(json.dumps(result))
+    for scenario in args.scenarios.split(","):
+        accelerator, result = run(scenario, args.out)
+        (args.out / f"accelerate_{scenario}_{accelerator.process_index}.json").write_text(json.dumps(result))
+        if accelerator.hetdp_model is not None:
+            accelerator.hetdp_model.close()
+    accelerator.end_training()  # after the last scenario: it destroys the default group every Accelerator shares
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_integrations.py: Lightning's Trainer with strategy="hetdp", one scenario each.
+"""Worker for tests/distributed/test_integrations.py: Lightning's Trainer with strategy="hetdp", the scenarios given
+one after another in each process (one launch, one import of Lightning, for several scenarios).
 
 "exact": unequal static shares, AdamW with a OneCycle schedule sized by ``estimated_stepping_batches``, clipping and
 two batches accumulated per optimizer step on the Trainer, ``self.log`` epoch means, a validation loader, and a
@@ -153,11 +154,11 @@ def run(scenario: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in this order")
     args = parser.parse_args()
-    result = run(args.scenario, args.out)
-    rank = dist.get_rank()
-    (args.out / f"lightning_{args.scenario}_{rank}.json").write_text(json.dumps(result))
+    for scenario in args.scenarios.split(","):
+        result = run(scenario, args.out)
+        (args.out / f"lightning_{scenario}_{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

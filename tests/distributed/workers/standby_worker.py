@@ -1,8 +1,8 @@
 """Worker for tests/distributed/test_standby.py: ranks waiting between steps keep a partial allreduce's rounds firing.
 
 Ranks 0..N-2 wait for an all-gather that the last rank joins only after it contributed ``--calls`` gradients of
-one sample each (``--mode`` majority or quorum): a round waiting for a waiting rank would never fire. With
-``--wait standby`` they wait in ``PartialGradients.standby``; with ``--wait block``, in a plain blocking wait.
+one sample each (each of ``--modes``, majority or quorum, in turn): a round waiting for a waiting rank would never
+fire. With ``--wait standby`` they wait in ``PartialGradients.standby``; with ``--wait block``, in a plain blocking wait.
 """
 
 from __future__ import annotations
@@ -19,37 +19,40 @@ from hetdp.runtime import Timeouts
 from hetdp.sync.partial import PartialGradients
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", default="majority")
-    parser.add_argument("--calls", type=int, default=8)
-    parser.add_argument("--wait", choices=("standby", "block"), default="standby")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+def run(mode: str, calls: int, wait: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = PartialConfig(mode=args.mode, quorum=2 if args.mode == "quorum" else None, seed=1,
-                           timeouts=Timeouts(round_s=10.0))
+    config = PartialConfig(mode=mode, quorum=2 if mode == "quorum" else None, seed=1, timeouts=Timeouts(round_s=10.0))
     gradients = PartialGradients(3, config)
     mine = torch.tensor([float(rank)])
     rows = [torch.empty(1) for _ in range(world)]
     received = []
     if rank == world - 1:
-        for _ in range(args.calls):
+        for _ in range(calls):
             received += gradients.contribute(torch.ones(3), 1.0)
         work = dist.all_gather(rows, mine, async_op=True)
         work.wait()
     else:
         work = dist.all_gather(rows, mine, async_op=True)
-        if args.wait == "standby":
+        if wait == "standby":
             gradients.standby(work.is_completed, 30.0)
         work.wait()
     received += gradients.close()
     received += gradients.carried
-    samples = sum(r.samples for r in received)
-    (args.out / f"standby_{rank}.json").write_text(json.dumps({"samples": samples, "gathered": [float(r) for r in rows]}))
-    dist.destroy_process_group()
+    return {"samples": sum(r.samples for r in received), "gathered": [float(r) for r in rows]}
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--modes", default="majority", help="comma-separated, run in this order")
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument("--wait", choices=("standby", "block"), default="standby")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    for mode in args.modes.split(","):
+        result = run(mode, args.calls, args.wait)
+        (args.out / f"standby_{mode}_{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_integrations.py: transformers' Trainer from hetdp, one scenario each.
+"""Worker for tests/distributed/test_integrations.py: transformers' Trainer from hetdp, the scenarios given one after
+another in each process.
 
 "exact": a tiny GPT-2 built from its config (no download) on token sequences of unequal lengths, unequal static
 shares, two batches accumulated per optimizer step, clipping, and transformers' loss normalized by the step's
@@ -79,11 +80,12 @@ def run(scenario: str, out: Path, rank: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in this order")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    result = run(args.scenario, args.out, rank)
-    (args.out / f"transformers_{args.scenario}_{rank}.json").write_text(json.dumps(result))
+    for scenario in args.scenarios.split(","):
+        result = run(scenario, args.out, rank)
+        (args.out / f"transformers_{scenario}_{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
