@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from hetdp import liveness
-from hetdp.runtime import defer_nccl_watchdog, gpu_per_local_rank, group_timeout_s, is_peer_failure
+from hetdp.runtime import (
+    defer_nccl_watchdog,
+    gpu_per_local_rank,
+    group_timeout_s,
+    is_peer_failure,
+)
 
 
 @pytest.mark.parametrize(("gpus", "local_ranks", "expected"), [(0, 1, False), (1, 1, True), (1, 4, False), (4, 4, True)])

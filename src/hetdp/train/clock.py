@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from hetdp.cluster.emulate import Pacer
 from hetdp import runtime
+from hetdp.cluster.emulate import Pacer
 
 Mark = float | torch.cuda.Event
 """A moment of a step: ``time.perf_counter()`` on the host, or an event on a CUDA device's stream."""

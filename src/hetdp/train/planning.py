@@ -247,8 +247,8 @@ class Planner:
             summed = self.synchronizer.meet(self.module, carry.reshape(-1))
             self.since_meeting = 0
             gathered = summed.reshape(self.world_size, len(values)).cpu()  # type: ignore[union-attr]
-        elif self.world_size == 1:  # alone: the row is every rank's, with no collective (and no device copy)
-            gathered = torch.tensor([values], dtype=torch.float64)
+        elif self.world_size == 1:  # alone: the row is every rank's, with no collective (and no tensor)
+            return [FiguresRow.of(values, steps)]
         else:
             mine = torch.tensor(values, dtype=torch.float64, device=self.device)
             rows = [torch.empty_like(mine) for _ in range(self.world_size)]
