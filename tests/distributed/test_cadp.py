@@ -124,6 +124,18 @@ def test_times_are_reported_on_every_rank_within_the_call(out):
             assert figures[name]["plan"] == report(out, 0)[name]["plan"]
 
 
+def test_a_device_planned_no_samples_sits_out_while_the_others_train_and_merge(out):
+    figures = [report(out, rank)["sits_out"] for rank in range(RANKS)]
+    assert [f["samples"] for f in figures] == [20, SIZE - 20, 0]
+    assert [f["epochs"] for f in figures] == [2, 2, 0]
+    models = [torch.load(out / f"sits_out_{rank}.pt") for rank in range(RANKS)]
+    initial = make_model(0).state_dict()
+    for name, tensor in models[0].items():
+        torch.testing.assert_close(models[1][name], tensor, rtol=0, atol=0)  # merged: one model
+        torch.testing.assert_close(models[2][name], initial[name], rtol=0, atol=0)  # never trained
+    assert any(not torch.equal(tensor, initial[name]) for name, tensor in models[0].items())
+
+
 def test_a_data_owner_that_does_not_train_holds_no_samples_and_stays_out_of_the_drop_in(out):
     held = [report(out, rank)["parameter_server"] for rank in range(RANKS)]
     assert [figures["samples"] for figures in held] == [0, 20, 27]

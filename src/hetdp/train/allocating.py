@@ -58,9 +58,9 @@ class Allocating:
                 theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). None: the
                 emulated devices' caps under ``hetdp run --devices``, else no cap. Unless ``accumulates``, each share
                 is capped by it (collective: every rank passes the same kind of value).
-            accumulates: whether the loop runs a share above ``max_batch`` as several forwards (micro-batches under
-                ``no_sync``, as ``AllocatedTrainer`` does). Then shares are not capped, and the piecewise adaptive
-                rule counts each micro-batch in its step-time model.
+            accumulates: whether the loop runs a share above ``max_batch`` as several forwards (micro-batches
+                under ``no_sync``, as examples/allocation_train.py does). Then shares are not capped, and the
+                piecewise adaptive rule counts each micro-batch in its step-time model.
             cost: per-sample costs of variable-length data (a sequence by dataset index, or a ``CostBalance``):
                 shares become parts of each step's cost, and steps are packed so that each rank's block costs its
                 part. With ``mean_over="cost"`` (the default) each rank's loss must be its mean per cost unit
@@ -75,7 +75,8 @@ class Allocating:
             ConfigError: an iterable dataset, an unknown sampler without ``shuffle``, a global batch too small
                 for the ranks, or one above the sum of capped ranks' ``max_batch`` (the drop-in cannot split a
                 share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``); a model
-                that follows another (its leader's loader cuts the steps).
+                that follows another (its leader's loader cuts the steps); with ``own_data``, an allocation that
+                would move samples between ranks (adaptive, static), or a rank that holds none.
         """
         if self._follows:
             raise ConfigError("this model follows another's steps: allocate that model's loader")

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -137,7 +137,8 @@ def train_cadp(
     """Plan (on rank 0), deliver, train locally and merge for ``config.epochs`` epochs, timing each part.
 
     Rank r trains as ``cluster.devices[r]``; rank 0, the data owner, trains too (give
-    its device ``bandwidth_mbps = inf``).
+    its device ``bandwidth_mbps = inf``). A device the plan gives no samples sits the
+    training out (its ``epochs`` are empty) and waits for the others.
 
     Args:
         model: the model, the same architecture on every rank; rank 0's parameters start everyone.
@@ -179,12 +180,33 @@ def train_cadp(
     barrier(group, delivery_timeout_s)
     delivered = time.perf_counter()
 
-    allocation = Planned(cluster=cluster, epochs=config.epochs, method=config.method)
-    ddp = DistributedDataParallel(model, allocation if config.allocation == "planned" else "equal",
-                                  "local" if config.sync == "epoch" else "allreduce", step_timeout_s=merge_timeout_s,
-                                  emulation=_emulation(cluster.devices, config.emulate), process_group=group)
-    loader = ddp.allocate(DataLoader(local.data, batch_size=cluster.devices[rank].feasible_batch_size),
-                          shuffle=True, seed=config.seed, own_data=True)
+    # A device the plan gives no samples sits the training out (C-ADP: D_i = 0), in no group of the drop-in's.
+    trains = [r for r, n in enumerate(plan.samples) if n > 0]
+    trainers = group if len(trains) == world_size else dist.new_group([global_rank(r, group) for r in trains])
+    history = []
+    if rank in trains:
+        members = replace(cluster, devices=tuple(cluster.devices[r] for r in trains))
+        history = _train(model, optimizer, local.data, members, config, loss_fn, on_epoch, trainers, merge_timeout_s)
+        if trainers is not group:
+            dist.destroy_process_group(trainers)
+    barrier(group, config.timeouts.round_s + 2 * plan.total_s)
+    finished = time.perf_counter()
+    return CadpResult(plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history,
+                      samples=plan.samples[rank])
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: TensorDataset, cluster: ClusterSpec,
+           config: CadpConfig, loss_fn: LossFn, on_epoch: Callable[[EpochReport], None] | None,
+           group: dist.ProcessGroup | None, timeout_s: float) -> list[EpochReport]:
+    """The drop-in's loop over this device's own samples, one device of ``cluster`` per rank of ``group``."""
+    planned = config.allocation == "planned"
+    allocation = Planned(cluster, epochs=config.epochs, method=config.method) if planned else "equal"
+    ddp = DistributedDataParallel(model, allocation, "local" if config.sync == "epoch" else "allreduce",
+                                  step_timeout_s=timeout_s, emulation=_emulation(cluster.devices, config.emulate),
+                                  process_group=group)
+    rank = ddp.rank
+    loader = ddp.allocate(DataLoader(data, batch_size=cluster.devices[rank].feasible_batch_size), shuffle=True,
+                          seed=config.seed, own_data=True)
     # The drop-in emulates compute, not links: the model's trips to and from the owner are slept here, before the
     # epoch under local training (the merge ends it), after every step under per-step allreduce.
     model_s = [_link_s(d, cluster.model_bytes) if config.emulate else 0.0 for d in cluster.devices]
@@ -204,9 +226,7 @@ def train_cadp(
             history.append(ddp.last_epoch)
             if on_epoch is not None:
                 on_epoch(history[-1])
-    finished = time.perf_counter()
-    return CadpResult(plan=plan, send_s=delivered - started, train_s=finished - delivered, epochs=history,
-                      samples=plan.samples[rank])
+    return history
 
 
 def _emulation(devices: Sequence[DeviceSpec], emulate: bool) -> Emulation:

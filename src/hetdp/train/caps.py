@@ -39,4 +39,4 @@ def check_fits(caps: Sequence[int | None], global_batch: int, cost: CostBalance 
         raise ConfigError(
             f"a global batch of {global_batch} does not fit under the ranks' memory caps {limits} (at most "
             f"{sum(limits)} samples, one forward each; the drop-in cannot split a share for your loop): lower "
-            f"global_batch, or run shares as micro-batches (accumulates=True, or hetdp.AllocatedTrainer)")
+            f"global_batch, or run shares as micro-batches under no_sync in your loop (accumulates=True)")

@@ -42,8 +42,9 @@ def own_batch_sizes(policy: AllocationPolicy, loader_batches: Sequence[int | Non
                               "ranks; give one per rank")
         return [device.feasible_batch_size for device in policy.cluster.devices]
     if not isinstance(policy, Equal):
-        raise ConfigError(f"own_data=True takes allocation 'equal' (each loader's batch size) or hetdp.Planned(cluster) "
-                          f"(each device's), got {policy.describe()}: a rank's own samples cannot move to another")
+        raise ConfigError(f"own_data=True takes allocation 'equal' (each loader's batch size) or "
+                          f"hetdp.Planned(cluster) (each device's), got {policy.describe()}: a rank's own samples "
+                          "cannot move to another")
     if any(batch is None for batch in loader_batches):
         raise ConfigError(f"own_data=True needs every rank's loader to have a batch_size, got {list(loader_batches)}")
     return [int(batch) for batch in loader_batches]  # type: ignore[arg-type]

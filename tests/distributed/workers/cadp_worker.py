@@ -91,6 +91,13 @@ def main() -> None:
             "epochs": len(result.epochs),
         }
 
+    # A device the plan gives no samples sits the training out; the others train and merge among themselves.
+    model = make_model(0)
+    result = train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, cluster,
+                        CadpConfig(epochs=2, seed=3), plan=evaluate(cluster, [20, SIZE - 20, 0], 2))
+    report["sits_out"] = {"samples": result.samples, "epochs": len(result.epochs)}
+    torch.save(model.state_dict(), out / f"sits_out_{rank}.pt")
+
     # A data owner that does not train holds no samples, and cannot train its own (none) in the drop-in.
     local = distribute(training_set if rank == 0 else None, [0, 20, SIZE - 20])
     report["parameter_server"] = {"samples": len(local.data)}

@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 
 from hetdp import ConfigError, Emulation
 from hetdp.cluster.devices import DeviceModel, device_models_from_flags, device_table, micro_batches, read_device_table
-from hetdp.cluster.memory import cap_from_memory, largest_forward
 
 TABLE = {
     "devices": [
@@ -99,21 +98,3 @@ def test_bad_flags_are_config_errors(flags, message):
 def test_device_models_need_a_per_sample_cost():
     with pytest.raises(ConfigError, match="sample_cost_ms > 0"):
         Emulation(devices=(DeviceModel(),))
-
-
-def test_memory_cap_is_what_fits_after_the_fixed_part():
-    assert cap_from_memory(10e9, 1e9, 100e6, headroom=0.9) == 80
-    assert cap_from_memory(10e9, 1e9, 0.0) is None
-    with pytest.raises(ConfigError, match="not one sample fits"):
-        cap_from_memory(1e9, 2e9, 1e6)
-
-
-def test_largest_forward_is_the_emulated_cap_else_none_on_cpu():
-    import torch
-
-    model = torch.nn.Linear(3, 2)
-    inputs, targets = torch.randn(4, 3), torch.zeros(4, dtype=torch.long)
-    emulation = Emulation(sample_cost_ms=1.0, devices=(DeviceModel(max_batch=7), DeviceModel()))
-    assert largest_forward(model, inputs, targets, rank=0, emulation=emulation) == 7
-    assert largest_forward(model, inputs, targets, rank=1, emulation=emulation) is None
-    assert largest_forward(model, inputs, targets, rank=0) is None  # CPU: memory does not cap the batch
