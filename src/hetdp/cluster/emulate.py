@@ -282,9 +282,9 @@ class Pacer:
     - after a meeting (local averaging every K steps or at an epoch's end): the
       step before it says so when the meeting is foreseen (``alone=False``),
       ``restart`` when it is not (an epoch a loop of its own ends);
-    - when the rank waited longer than the coming step's whole block since the
-      last one: a collective nobody announced (torch DDP's bucket rebuild at the
-      second step, a planning gather); host work is never that long;
+    - when more time passed since the last step than the coming step's whole
+      block: that is no host work but a collective nobody announced (torch DDP's
+      bucket rebuild at the second step, a planning gather);
     - always when stretching measured time (``sample_cost_ms`` = 0): a step's
       emulated time is a multiple of its own real compute.
 
@@ -320,9 +320,9 @@ class Pacer:
         block_s = emulation.block_s(self.rank, samples, step)
         runs_on = self._runs_on_to == step and emulation.sample_cost_ms > 0 and now - self._deadline <= block_s
         self._runs_on_to = None
+        origin = self._deadline if runs_on else now
         self._lead_s = emulation.lead_s(self.rank, samples, step)
-        self._deadline = ((self._deadline if runs_on else now) + emulation.straggler_delay_s(step, self.rank,
-                          self.world_size) + self._lead_s)
+        self._deadline = origin + emulation.straggler_delay_s(step, self.rank, self.world_size) + self._lead_s
         self._sleep_until(self._deadline)
 
     def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None, *,
