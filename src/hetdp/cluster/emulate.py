@@ -279,10 +279,12 @@ class Pacer:
       the exchange waits for the slowest rank, a round's initiator or quorum, or
       at least the round's own transfer, and a synchronous step is priced as the
       slowest block, then the exchange (C-ADP paper, eq. 7 for DDP; the simulator);
-    - after a meeting (local averaging every K steps or at an epoch's end);
-    - when the rank waited longer than the coming step's whole block since the
-      last one: a collective nobody announced (torch DDP's bucket rebuild at the
-      second step, a planning gather); host work is never that long;
+    - after a meeting (local averaging every K steps or at an epoch's end): the
+      step before it says so when the meeting is foreseen (``alone=False``),
+      ``restart`` when it is not (an epoch a loop of its own ends);
+    - when more time passed since the last step than the coming step's whole
+      block: that is no host work but a collective nobody announced (torch DDP's
+      bucket rebuild at the second step, a planning gather);
     - always when stretching measured time (``sample_cost_ms`` = 0): a step's
       emulated time is a multiple of its own real compute.
 
@@ -318,9 +320,9 @@ class Pacer:
         block_s = emulation.block_s(self.rank, samples, step)
         runs_on = self._runs_on_to == step and emulation.sample_cost_ms > 0 and now - self._deadline <= block_s
         self._runs_on_to = None
+        origin = self._deadline if runs_on else now
         self._lead_s = emulation.lead_s(self.rank, samples, step)
-        self._deadline = ((self._deadline if runs_on else now) + emulation.straggler_delay_s(step, self.rank,
-                          self.world_size) + self._lead_s)
+        self._deadline = origin + emulation.straggler_delay_s(step, self.rank, self.world_size) + self._lead_s
         self._sleep_until(self._deadline)
 
     def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None, *,
@@ -340,6 +342,11 @@ class Pacer:
         else:
             delay_s = emulation.straggler_delay_s(step, self.rank, self.world_size)
             (self._sleep or sleep)(emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))
+
+    def restart(self) -> None:
+        """The rank just synchronized with the others outside a step: the next step's deadline starts afresh even if
+        the last step ended ``alone``."""
+        self._runs_on_to = None
 
     def _now(self) -> float:
         return (self._clock or time.perf_counter)()

@@ -135,6 +135,11 @@ class StepClock:
         self._backwards.append([self._mark()])
         self._closed = False
 
+    def restart(self) -> None:
+        """The rank just met the others outside a step (an epoch's end the loop did not announce): the next step's
+        emulated time starts afresh."""
+        self.pacer.restart()
+
     def mark_synced(self) -> None:
         """Gradients of the step are combined (each bucket's, as it completes: the last one ends the wait)."""
         if self._backwards and not self._closed:

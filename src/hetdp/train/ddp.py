@@ -280,6 +280,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         assert self._epochs.tally is not None, "end_epoch() without begin_epoch()"
         totals = self._epochs.tally.totals().values()
         every_rank = self._planner.gather(meet=self._planner.apart, extra=totals, epoch_end=True)
+        self.clock.restart()  # the ranks just met, announced or not: no emulated step runs on past it
         self._catch_up(force=True, state=False)
         allocator = self.allocator
         report = self._epochs.end(every_rank, shares=self.shares, stable=allocator.stable if allocator else True,
@@ -307,6 +308,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         it then saves the model every rank holds, and no round waits meanwhile for a rank that is saving."""
         if self._planner.apart:
             self._planner.gather(meet=True)
+            self.clock.restart()
         self._catch_up(force=True)
         for model in self._open_followers():
             model.synchronize()

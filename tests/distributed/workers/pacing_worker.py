@@ -20,15 +20,20 @@ PER_RANK_BATCH = 2
 
 
 class RecordingPacer(Pacer):
-    """A pacer that notes, step by step, whether the drop-in let its deadline run on into the next step."""
+    """A pacer that notes, step by step, whether the drop-in let its deadline run on into the next step, and when
+    it restarted it between steps."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.alone: list[bool] = []
+        self.events: list[bool | str] = []
 
     def finish(self, step, samples, compute_s, forwards=None, *, alone=False) -> None:
-        self.alone.append(alone)
+        self.events.append(alone)
         super().finish(step, samples, compute_s, forwards, alone=alone)
+
+    def restart(self) -> None:
+        self.events.append("restart")
+        super().restart()
 
 
 MADE: list[RecordingPacer] = []
@@ -43,19 +48,41 @@ class RecordingEmulation(Emulation):
         return MADE[-1]
 
 
-def alone_flags(sync: str) -> list[bool]:
-    samples = STEPS * PER_RANK_BATCH * dist.get_world_size()
+def _model(sync: str) -> tuple[hetdp.DDP, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(samples, 3), torch.randint(0, 2, (samples,)))
     model = hetdp.DDP(nn.Linear(3, 2), "equal", sync, emulation=RecordingEmulation(sample_cost_ms=0.001))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train_step(model: hetdp.DDP, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(inputs), torch.zeros(len(inputs), dtype=torch.long)).backward()
+    optimizer.step()
+
+
+def allocated_loop(sync: str) -> list[bool | str]:
+    """One epoch of the allocated loader, which tells the drop-in which step ends it."""
+    data = TensorDataset(torch.randn(STEPS * PER_RANK_BATCH * dist.get_world_size(), 3))
+    model, optimizer = _model(sync)
     loader = model.allocate(DataLoader(data, batch_size=PER_RANK_BATCH, sampler=DistributedSampler(data)))
     with model:
-        for inputs, labels in loader:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(inputs), labels).backward()
-            optimizer.step()
-    return MADE[-1].alone
+        for (inputs,) in loader:
+            _train_step(model, optimizer, inputs)
+    return MADE[-1].events
+
+
+def own_loop() -> list[bool | str]:
+    """Two epochs of three steps each, opened and closed by the loop itself: no step says it ends its epoch."""
+    model, optimizer = _model("local")
+    with model:
+        for epoch in range(2):
+            model.begin_epoch(epoch)
+            for _ in range(3):
+                model.begin_step(PER_RANK_BATCH, PER_RANK_BATCH * dist.get_world_size())
+                _train_step(model, optimizer, torch.randn(PER_RANK_BATCH, 3))
+                model.end_step()
+            model.end_epoch()
+    return MADE[-1].events
 
 
 def main() -> None:
@@ -63,7 +90,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank, _ = hetdp.init_distributed()
-    flags = {sync: alone_flags(sync) for sync in SYNCS}
+    flags = {sync: allocated_loop(sync) for sync in SYNCS}
+    flags["own loop"] = own_loop()
     (args.out / f"rank{rank}.json").write_text(json.dumps(flags))
     dist.destroy_process_group()
 

@@ -147,3 +147,14 @@ def test_a_step_whose_samples_are_known_only_at_its_end_still_lasts_its_whole_bl
     timeline.work(0.005)
     pacer.finish(0, 20, 0.005)
     assert timeline.now == pytest.approx(BLOCK_S)
+
+
+def test_a_restart_between_two_steps_alone_stops_the_deadline_running_on():
+    """A meeting the step before did not foresee (an epoch's end in a loop of its own) still restarts it."""
+    timeline = Timeline()
+    pacer = _pacer(timeline)
+    _step(pacer, timeline, 0, compute_s=0.005, host_s=0.010, alone=True)
+    pacer.restart()
+    resumed = timeline.now
+    _step(pacer, timeline, 1, compute_s=0.005, host_s=0.0, alone=True)
+    assert timeline.now - resumed == pytest.approx(BLOCK_S)
