@@ -1,17 +1,13 @@
 """examples/eager_sgd.py under `hetdp run`: eager-SGD through the drop-in, its last line counts steps and rounds."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "eager_sgd.py"
 
 
-def test_eager_example_trains_through_the_drop_in_and_steps_once_per_round():
-    command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--stragglers", "1:50", str(EXAMPLE),
-               "--mode", "majority", "--epochs", "1"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+def test_eager_example_trains_through_the_drop_in_and_steps_once_per_round(hetdp_run):
+    completed = hetdp_run("-n", 2, "--stragglers", "1:50", EXAMPLE, "--mode", "majority", "--epochs", 1)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     lines = completed.stdout.strip().splitlines()
     assert re.match(r"epoch 0: .* test accuracy 0\.\d{3}", lines[-2]), lines[-2]

@@ -4,7 +4,6 @@ one line naming the rank, with its exit code; never a traceback per rank or torc
 
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -80,10 +79,9 @@ def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
         run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
 
 
-def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script):
+def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script, hetdp_run):
     path = script("import hetdp\nraise hetdp.ConfigError('the cluster has 4 devices but the group has 2 ranks')\n")
-    completed = subprocess.run([sys.executable, "-m", "hetdp.cli", "run", "-n", "2", str(path)],
-                               capture_output=True, text=True, timeout=120, check=False)
+    completed = hetdp_run("-n", 2, path)
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr + completed.stdout
     assert re.fullmatch(r"hetdp run: error: the cluster has 4 devices but the group has 2 ranks "
@@ -104,12 +102,7 @@ FAILING_RANK_SCRIPT = """
 """
 
 
-def hetdp_run(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetdp.cli", "run", *map(str, args)], capture_output=True, text=True,
-                          timeout=240, check=False)
-
-
-def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code(script):
+def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code(script, hetdp_run):
     path = script(FAILING_RANK_SCRIPT.replace("{failure}", "raise ValueError('boom')"))
     completed = hetdp_run("-n", 3, path)
     output = completed.stderr + completed.stdout
@@ -121,7 +114,7 @@ def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code
         "hetdp run: error: rank 1 failed with ValueError: boom; the other ranks were stopped")
 
 
-def test_a_rank_that_exits_with_a_code_ends_the_launch_with_it_in_one_line(script):
+def test_a_rank_that_exits_with_a_code_ends_the_launch_with_it_in_one_line(script, hetdp_run):
     path = script(FAILING_RANK_SCRIPT.replace("{failure}", "sys.exit(3)"))
     completed = hetdp_run("-n", 2, path)
     assert completed.returncode == 3
@@ -129,7 +122,7 @@ def test_a_rank_that_exits_with_a_code_ends_the_launch_with_it_in_one_line(scrip
     assert completed.stderr.splitlines()[-1] == "hetdp run: error: rank 1 exited with 3; the other ranks were stopped"
 
 
-def test_a_rank_killed_by_a_signal_is_one_line_naming_it(script):
+def test_a_rank_killed_by_a_signal_is_one_line_naming_it(script, hetdp_run):
     path = script(FAILING_RANK_SCRIPT.replace("{failure}", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
     completed = hetdp_run("-n", 2, path)
     assert completed.returncode == 128 + 9
@@ -151,7 +144,7 @@ def test_a_bug_in_a_worker_is_raised_once_with_its_rank_and_traceback(script):
 def test_script_flags_that_abbreviate_torchruns_own_reach_the_script(tmp_path, report_errors):
     script = tmp_path / "args.py"
     script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('ARGS', sys.argv[1:])\n")
-    completed = run_local(script, 1, ["--signal", "KILL", "--nnodes", "3"], capture=True, timeout_s=60,
+    completed = run_local(script, 1, ["--signal", "KILL", "--nnodes", "3"], capture=True, timeout_s=120,
                           report_errors=report_errors)
     assert completed.returncode == 0, completed.stdout
     assert "ARGS ['--signal', 'KILL', '--nnodes', '3']" in completed.stdout

@@ -1,21 +1,20 @@
 """`hetdp run` launches a user's script on N ranks with the emulation reaching every rank."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "allocation_train.py"
 
 
-def test_hetdp_run_trains_the_example_and_resumes_from_its_checkpoint(tmp_path):
+def test_hetdp_run_trains_the_example_and_resumes_from_its_checkpoint(tmp_path, hetdp_run):
     checkpoint = tmp_path / "checkpoints"
-    command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--speeds", "1,3", "--sample-cost-ms", "1",
-               str(EXAMPLE), "--epochs", "1", "--checkpoint", str(checkpoint)]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    command = ["-n", "2", "--speeds", "1,3", "--sample-cost-ms", "1", EXAMPLE, "--epochs", "1",
+               "--checkpoint", checkpoint]
+    first = hetdp_run(*command)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "epoch 0: shares" in first.stdout and any(checkpoint.glob("step-*.pt"))
     command[command.index("--epochs") + 1] = "2"
-    second = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    second = hetdp_run(*command)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "epoch 0:" not in second.stdout and "epoch 1: shares" in second.stdout
 
@@ -53,30 +52,30 @@ with hetdp.DDP(torch.nn.Linear(2, 1)) as model:
 """
 
 
-def run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+def run_script(hetdp_run, tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(body)
-    return subprocess.run([sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--speeds", "1,2", "--sync",
-                           "allreduce", str(script)], capture_output=True, text=True, timeout=180, check=False)
+    return hetdp_run("-n", 2, "--speeds", "1,2", "--sync", "allreduce", script)
 
 
-def test_emulation_under_a_plain_torch_ddp_script_warns_once_that_it_did_nothing(tmp_path):
-    completed = run_script(tmp_path, PLAIN_DDP_SCRIPT)
+def test_emulation_under_a_plain_torch_ddp_script_warns_once_that_it_did_nothing(tmp_path, hetdp_run):
+    completed = run_script(hetdp_run, tmp_path, PLAIN_DDP_SCRIPT)
     assert completed.returncode == 0, completed.stderr
     unused = [line for line in completed.stderr.splitlines() if "did nothing" in line]
     assert len(unused) == 1 and "emulation and --sync" in unused[0] and "plain torch DDP" in unused[0]
 
 
-def test_an_allocated_loader_left_unused_warns_once_what_the_model_does_instead(tmp_path):
-    completed = run_script(tmp_path, DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "model.allocate(loader)"))
+def test_an_allocated_loader_left_unused_warns_once_what_the_model_does_instead(tmp_path, hetdp_run):
+    body = DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "model.allocate(loader)")
+    completed = run_script(hetdp_run, tmp_path, body)
     assert completed.returncode == 0, completed.stderr
     assert completed.stderr.count("hetdp.DDP: a training forward outside any step") == 1  # rank 0's, once
     assert "averages the ranks' gradients as plain DDP does" in completed.stderr
     assert len([line for line in completed.stderr.splitlines() if "did nothing" in line]) == 1
 
 
-def test_an_allocated_loader_in_use_warns_of_nothing(tmp_path):
+def test_an_allocated_loader_in_use_warns_of_nothing(tmp_path, hetdp_run):
     body = DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "loader = model.allocate(loader)")
-    completed = run_script(tmp_path, body)
+    completed = run_script(hetdp_run, tmp_path, body)
     assert completed.returncode == 0, completed.stderr
     assert "did nothing" not in completed.stderr and "outside any step" not in completed.stderr

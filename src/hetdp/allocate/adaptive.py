@@ -8,8 +8,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
-from scipy.special import stdtrit
-
 from hetdp.allocate.apportion import apportion, apportion_min_max
 from hetdp.allocate.minmax import min_max_shares
 from hetdp.allocate.steptime import StepTime, fit_step_time
@@ -240,7 +238,7 @@ class AdaptiveAllocator:
         # A 95% bound on the error of the slowest of the ranks' window means (Bonferroni over the ranks, since the
         # largest of several noisy means overstates): Student's t, as a few steps estimate the noise poorly.
         confidence = 1.0 - 0.025 / len(self.shares)
-        t_quantile = float(stdtrit(self._noise_dof, confidence)) if self._noise_dof else 2.0
+        t_quantile = _t_quantile(self._noise_dof, confidence) if self._noise_dof else 2.0
         required_gain = max(self.tolerance, t_quantile * self.noise_cv / math.sqrt(steps))
         too_small_a_gain = required_gain > 0 and proposal.predicted_step_s > (1.0 - required_gain) * proposal.step_s
         if too_small_a_gain or new_shares == self.shares or self._banned(new_shares):
@@ -371,3 +369,11 @@ class AdaptiveAllocator:
         self.restarts = int(state.get("restarts", 0))
         self.points = [OrderedDict((int(share), float(seconds)) for share, seconds in points)
                        for points in state.get("points", [[] for _ in self.points])]
+
+
+def _t_quantile(dof: int, probability: float) -> float:
+    """Student's t quantile. scipy is imported here, on a rank's first rebalance: importing it with hetdp (about
+    0.5 s of CPU) would charge every process that imports hetdp, launchers and CLI commands included."""
+    from scipy.special import stdtrit
+
+    return float(stdtrit(dof, probability))

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
 
 from hetdp.errors import ConfigError
 
@@ -78,6 +77,9 @@ def fit_step_time(points: Sequence[tuple[int, float]], chunk: int | None = None)
     shares = np.array([share for share, _ in points], dtype=float)
     if chunk is None or len(set(shares.tolist())) < 2:
         return proportional
+    # scipy here, not with hetdp: only ranks that run micro-batches fit a step time (see _t_quantile in adaptive.py)
+    from scipy.optimize import nnls
+
     seconds = np.array([value for _, value in points], dtype=float)
     forwards = np.ceil(shares / chunk)
     if len(set(forwards.tolist())) > 1:
