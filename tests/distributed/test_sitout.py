@@ -57,6 +57,7 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_rejoin_when_they_pay(out):
     members = load(out)[0]["members"]
     before = members[:CHANGE_AT]
@@ -73,6 +74,7 @@ def test_the_model_trains_as_one_process_on_the_global_batches_while_ranks_sit_o
             torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_included(out):
     results = load(out)
     members = results[0]["members"]
@@ -83,6 +85,7 @@ def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_i
         assert len(sums) == 1, (step, ranks, sums)
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_the_epoch_reports_say_which_ranks_sat_out_and_why(out):
     reports = load(out)[0]["reports"]
     first = reports[0]

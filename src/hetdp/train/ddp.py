@@ -323,6 +323,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         if self._group is None:
             return
         self._planner.settle()
+        if self._sitting is not None:
+            self._sitting.flush()
         self._heartbeat.stop()
         self.synchronizer.close()
         self._steps.close()
