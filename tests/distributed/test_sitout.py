@@ -14,7 +14,7 @@ from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
-from sitout_worker import EPOCHS, GLOBAL_BATCH, SIZE, make_wide_model  # noqa: E402
+from sitout_worker import EPOCHS, GLOBAL_BATCH, SAVED_AT, SIZE, make_wide_model  # noqa: E402
 
 RANKS = 4
 CHANGE_AT = 12
@@ -57,6 +57,7 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_rejoin_when_they_pay(out):
     members = load(out)[0]["members"]
     before = members[:CHANGE_AT]
@@ -73,6 +74,7 @@ def test_the_model_trains_as_one_process_on_the_global_batches_while_ranks_sit_o
             torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_included(out):
     results = load(out)
     members = results[0]["members"]
@@ -83,6 +85,7 @@ def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_i
         assert len(sums) == 1, (step, ranks, sums)
 
 
+@pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_the_epoch_reports_say_which_ranks_sat_out_and_why(out):
     reports = load(out)[0]["reports"]
     first = reports[0]
@@ -103,3 +106,34 @@ def test_a_subset_of_members_sums_among_itself_exactly_whichever_ranks_it_holds(
     for rank in range(RANKS):
         for name, tensor in torch.load(forced / f"forced_{rank}.pt").items():
             torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_a_checkpoint_saved_while_a_rank_sits_out_resumes_to_the_one_process_model(forced):
+    # Saved after step 4 of the forced run, while rank 2 sat out (steps 2 to 4); resumed on every rank, ranks sit
+    # out again (1 and 2 alone from step 5), and every rank ends with the one process's model.
+    resumed = load(forced, "resumed")
+    members = resumed[0]["members"]
+    assert len(members) == EPOCHS * SIZE // GLOBAL_BATCH - SAVED_AT and [1, 2] in members, members
+    expected = reference()
+    for rank in range(RANKS):
+        for name, tensor in torch.load(forced / f"resumed_{rank}.pt").items():
+            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_batchnorm_buffers_stand_still_on_a_rank_out_and_are_the_keepers_after_each_catch_up(forced):
+    results = load(forced, "batchnorm")
+    members = results[0]["members"]
+    assert members[2] == [0, 1, 3] and members[7] == [1, 2, 3] and members[-1] == [1, 2, 3], members
+    # A stand-in runs in eval mode: rank 2's statistics stand still while it sits out (steps 2 to 6), rank 0's too
+    # from step 7 until the epoch's end brings it current; the members' move.
+    assert len({results[2]["buffers"][step] for step in range(1, 7)}) == 1
+    assert len({results[0]["buffers"][step] for step in range(6, 10)}) == 1
+    assert len({results[1]["buffers"][step] for step in range(6, 10)}) == 4
+    # Every epoch ends with rank 0 out: every rank then holds the keeper's (rank 1's) buffers and parameters.
+    steps = SIZE // GLOBAL_BATCH
+    for epoch in range(EPOCHS):
+        kept = results[1]["buffers"][(epoch + 1) * steps - 1]
+        assert [result["epoch_buffers"][epoch] for result in results] == [kept] * RANKS, epoch
+        assert len({result["epoch_sums"][epoch] for result in results}) == 1, epoch
+    for step, ranks in enumerate(members):  # and every member starts every step with the same parameters
+        assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)

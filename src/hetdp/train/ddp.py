@@ -46,24 +46,19 @@ from hetdp.train.tally import Epochs
 class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
     """DDP in which rank i computes ``shares[i]`` samples of every step, for an allocation × synchronization pairing.
 
-    Allocation (who computes how much): ``"equal"`` (plain DDP), ``hetdp.Static(weights)``,
-    ``"adaptive"`` (the default: re-planned from measured compute times, and again
-    when a device drifts) or ``hetdp.Planned(cluster)``. Synchronization (how
-    contributions combine): ``"allreduce"`` (the default: the gradient is exactly
-    the mean over the step's samples, whatever the shares), a partial allreduce
-    (``"solo"``, ``"majority"``, ``"quorum:K"``: a step does not wait for the
-    slowest; each round is the sample-weighted mean of what it holds) or local
-    training with weighted parameter averaging (``"local"`` per epoch,
-    ``"local:K"`` every K steps). Both may also come from ``hetdp run --allocation
-    / --sync`` when the code leaves them out.
+    Allocation (who computes how much): ``"equal"`` (plain DDP), ``hetdp.Static(weights)``, ``"adaptive"`` (the
+    default: re-planned from measured compute times, and again when a device drifts) or ``hetdp.Planned(cluster)``.
+    Synchronization (how contributions combine): ``"allreduce"`` (the default: the gradient is exactly the mean over
+    the step's samples, whatever the shares), a partial allreduce (``"solo"``, ``"majority"``, ``"quorum:K"``: a
+    step does not wait for the slowest; each round is the sample-weighted mean of what it holds) or local training
+    with weighted parameter averaging (``"local"`` per epoch, ``"local:K"`` every K steps). Both may also come from
+    ``hetdp run --allocation / --sync`` when the code leaves them out.
 
-    The loop stays the user's: ``model.allocate(loader)`` returns their DataLoader
-    re-cut so that each batch is this rank's share of the step, and the comm hook
-    weighs each rank's gradient (the mean loss over its own batch) by its share of
-    the step. A rank with no sample in a step (the epoch's last step, with fewer
-    samples than ranks) gets a one-sample stand-in batch, run in eval mode and
-    weighted 0. Under ``hetdp run --speeds / --stragglers / --speed-change`` every
-    step is paced to its emulated device by itself.
+    The loop stays the user's: ``model.allocate(loader)`` returns their DataLoader re-cut so that each batch is this
+    rank's share of the step, and the comm hook weighs each rank's gradient (the mean loss over its own batch) by
+    its share of the step. A rank with no sample in a step (the epoch's last step, with fewer samples than ranks)
+    gets a one-sample stand-in batch, run in eval mode and weighted 0. Under ``hetdp run --speeds / --stragglers /
+    --speed-change`` every step is paced to its emulated device by itself.
 
     .. warning::
         Every rank must construct it with the same allocation and synchronization,
@@ -329,6 +324,8 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         if self._group is None:
             return
         self._planner.settle()
+        if self._sitting is not None:
+            self._sitting.flush()
         self._heartbeat.stop()
         self.synchronizer.close()
         self._steps.close()

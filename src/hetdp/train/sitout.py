@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from hetdp.runtime import global_rank, peer_failures
+from hetdp.runtime import global_rank, peer_failures, wait_for
 from hetdp.sync.gradient_sum import GradientSum, Route
 from hetdp.train.step import evaluating
 
@@ -51,6 +51,8 @@ class SitOut:
         """The step before which a rank rejoins: the ranks catch up as the step before it ends."""
         self.apart = False
         """Whether some rank sat out a step since the ranks last caught up."""
+        self._sending: list[tuple[torch.Tensor, dist.Work]] = []
+        """The keeper's relayed replica, one message per dtype, with the sends in flight (``flush`` waits)."""
         self.exchanges: list[weakref.ref[GradientSum]] = []
         """The exchanges of the model and of those that follow it. A rank runs none while it sits out, so its count
         of rounds (which tags the point-to-point sends) is brought current with its replica."""
@@ -95,18 +97,23 @@ class SitOut:
                  *, state: bool = True) -> None:
         """Collective: give every rank the replica of the first member of the step just ended (``steps_done - 1``):
         parameters and buffers, and with ``state`` the optimizers' state and the exchanges' rounds too (a rank that
-        rejoins steps with them; at an epoch's end, what the loop reads is the model)."""
-        keeper = global_rank(self.members_at(max(steps_done - 1, 0))[0], self.group)
+        rejoins steps with them). Without ``state`` (an epoch's end, where the loop may read the model on any rank)
+        the replica is relayed rank to rank, the keeper's send left in flight: the keeper trains on at once."""
+        keeper = self.members_at(max(steps_done - 1, 0))[0]
+        tensors = [tensor.data for module in modules for tensor in (*module.parameters(), *module.buffers())]
         with peer_failures("bringing the ranks that sat out current", self.timeout_s, self.group):
-            _broadcast([tensor.data for module in modules for tensor in (*module.parameters(), *module.buffers())],
-                       keeper, self.group)
+            self.flush()
             if not state:
+                members = self.members_at(max(steps_done - 1, 0))
+                order = [*members, *(rank for rank in range(self.world_size) if rank not in members)]
+                self._sending = _relay(tensors, order, self.rank, self.group, self.timeout_s)
                 return
+            _broadcast(tensors, global_rank(keeper, self.group), self.group)
             exchanges = [exchange for ref in self.exchanges if (exchange := ref()) is not None]
             optimizers = list(optimizers)
             held = [[exchange.rounds for exchange in exchanges], [_to_cpu(o.state_dict()) for o in optimizers]]
-            dist.broadcast_object_list(held, keeper, group=self.group)
-            if dist.get_rank() != keeper:
+            dist.broadcast_object_list(held, global_rank(keeper, self.group), group=self.group)
+            if self.rank != keeper:
                 for exchange, rounds in zip(exchanges, held[0]):
                     exchange.rounds = rounds
                 for optimizer, saved in zip(optimizers, held[1]):
@@ -114,23 +121,66 @@ class SitOut:
         self.catch_up_at = None
         self.apart = False
 
+    def flush(self) -> None:
+        """Wait for the keeper's relayed replica to leave (before the next catch-up, and before the group closes)."""
+        sending, self._sending = self._sending, []
+        for _, work in sending:
+            wait_for(work, "sending the model to the ranks that sat out", self.timeout_s, self.group)
+
+
+RELAY_TAG = 2**30
+"""The tag of a relayed replica's first message (one per dtype, tagged on from there): apart from the gradient
+exchange's (steps x buckets), which a rank that sits out does not run."""
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    return list(by_dtype.values())
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
 
 def _broadcast(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``tensors`` from ``src`` in place, as one message per dtype: a model of many small tensors would
     pay a collective's latency for each."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for alike in by_dtype.values():
+    for alike in _by_dtype(tensors):
         device = alike[0].device
         flat = torch.cat([tensor.reshape(-1).to(device) for tensor in alike])
         dist.broadcast(flat, src, group=group)
-        if dist.get_rank() == src:
-            continue
-        offset = 0
-        for tensor in alike:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        if dist.get_rank() != src:
+            _unflatten(flat, alike)
+
+
+def _relay(tensors: Sequence[torch.Tensor], order: Sequence[int], rank: int, group: dist.ProcessGroup,
+           timeout_s: float) -> list[tuple[torch.Tensor, dist.Work]]:
+    """Pass ``tensors`` along ``order`` (ranks of ``group``; the first holds them), one message per dtype, each rank
+    sending on what it received; return the first rank's sends, still in flight (the others wait for theirs)."""
+    place = order.index(rank)
+    host = dist.get_backend(group) == "gloo"  # gloo sends host memory
+    sending = []
+    for tag, alike in enumerate(_by_dtype(tensors), start=RELAY_TAG):
+        device = torch.device("cpu") if host else alike[0].device
+        if place == 0:
+            flat = torch.cat([tensor.detach().reshape(-1).to(device) for tensor in alike])
+        else:
+            flat = torch.empty(sum(tensor.numel() for tensor in alike), dtype=alike[0].dtype, device=device)
+            wait_for(group.recv([flat], order[place - 1], tag), "receiving the model", timeout_s, group)
+        if place + 1 < len(order):
+            sending.append((flat, group.send([flat], order[place + 1], tag)))
+        if place > 0:
+            _unflatten(flat, alike)
+    if place == 0:
+        return sending
+    for _, work in sending:
+        wait_for(work, "relaying the model", timeout_s, group)
+    return []
 
 
 class Optimizers:

@@ -5,12 +5,18 @@ the slow ranks' samples save; from ``--change-at`` on the fast ranks slow down t
 the others' speed, so the slow ones pay again. Every rank records, per step, the
 members and a checksum of the parameters it starts the step with, and its final
 parameters.
+
+With ``--forced`` the memberships are set by hand (``FORCED``), and the same
+launch goes on to two more runs: one resumed from the step checkpoint saved while
+rank 2 sat out, and one of a BatchNorm model, whose buffers every rank records
+after each step and each epoch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,13 +38,51 @@ def make_wide_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
 
 
+def make_batchnorm_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 2))
+
+
 def checksum(module: nn.Module) -> float:
     return float(torch.cat([p.detach().flatten() for p in module.parameters()]).double().sum())
+
+
+def buffer_sum(module: nn.Module) -> float:
+    return float(sum(b.double().sum() for b in module.buffers()))
 
 
 FORCED = {1: (2, [11, 11, 0, 10]), 4: (5, [0, 16, 16, 0]), 7: (8, [8, 8, 8, 8])}
 """--forced: at loop step k, the shares and members (those with a share) from step s on, as a re-plan would set
 them: three members (one folded into the doubling), then two that were not both members, then all again."""
+BATCHNORM_FORCED = {1: (2, [11, 11, 0, 10]), 6: (7, [0, 10, 11, 11])}
+"""--forced, the BatchNorm run: rank 2 sits out steps 2 to 6, rank 0 from step 7 to the end (its buffers, which
+torch DDP would broadcast at each forward, are out of date; every epoch ends with a rank out)."""
+SAVED_AT = 4
+"""--forced: the step count of the checkpoint the resumed run starts from (rank 2 sits out steps 2 to 4)."""
+
+
+def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | None, ckpt=None) -> dict[str, list]:
+    """The user's loop; per step, the members and the checksums of the parameters at its start and of the buffers
+    at its end, and per epoch, the buffers' checksum after it ended."""
+    record: dict[str, list] = {"members": [], "sums": [], "buffers": [], "epoch_buffers": [], "epoch_sums": []}
+    for epoch in epochs:
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            if forced and model.steps_done in forced:
+                first, shares = forced[model.steps_done]
+                model._schedule.append((first, shares))
+                model._sitting.schedule(first, [r for r, share in enumerate(shares) if share])
+            record["members"].append(list(model._sitting.members_at(model.steps_done)))
+            record["sums"].append(checksum(model.module))
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
+            optimizer.step()
+            record["buffers"].append(buffer_sum(model.module))
+            if ckpt is not None and model.steps_done == SAVED_AT + 1 and model.rank == 0:
+                shutil.copytree(ckpt.folder, ckpt.folder.with_name("resume"))  # the save at SAVED_AT, kept apart
+        record["epoch_buffers"].append(buffer_sum(model.module))
+        record["epoch_sums"].append(checksum(model.module))
+    return record
 
 
 def main() -> None:
@@ -52,29 +96,35 @@ def main() -> None:
     torch.set_num_threads(1)
     emulation = Emulation(speeds=(20.0, 20.0, 1.0, 1.0), sample_cost_ms=2.0,
                           speed_changes=((args.change_at, (1.0, 1.0, 1.0, 1.0)),))
-    model = hetdp.DDP(make_wide_model(), "equal" if args.forced else "adaptive", emulation=emulation)
     data = Pairs(SIZE)
-    loader = model.allocate(DataLoader(data, batch_size=GLOBAL_BATCH // 4, sampler=DistributedSampler(data, seed=3)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    members, sums = [], []
-    for epoch in range(EPOCHS):
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            if args.forced and model.steps_done in FORCED:
-                first, shares = FORCED[model.steps_done]
-                model._schedule.append((first, shares))
-                model._sitting.schedule(first, [r for r, share in enumerate(shares) if share])
-            members.append(list(model._sitting.members_at(model.steps_done)))
-            sums.append(checksum(model.module))
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
-            optimizer.step()
-    reports = [{"sat_out": report.sat_out, "diagnosis": report.diagnosis(), "shares": report.shares}
-               for report in model.epoch_reports]
     name = "forced" if args.forced else "sitout"
-    (args.out / f"{name}_{rank}.json").write_text(json.dumps({"members": members, "sums": sums, "reports": reports}))
-    torch.save(model.module.state_dict(), args.out / f"{name}_{rank}.pt")
-    model.close()
+
+    def run(make_model, forced: dict | None, resume_from: Path | None = None, save_to: Path | None = None
+            ) -> tuple[hetdp.DDP, dict]:
+        model = hetdp.DDP(make_model(), "equal" if args.forced else "adaptive", emulation=emulation)
+        loader = model.allocate(DataLoader(data, batch_size=GLOBAL_BATCH // 4,
+                                           sampler=DistributedSampler(data, seed=3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ckpt = None
+        if resume_from is not None or save_to is not None:
+            ckpt = model.checkpointer(resume_from or save_to, optimizer, every=SAVED_AT if save_to else 10**6)
+            ckpt.resume()
+        record = train(model, loader, optimizer, range(ckpt.epoch if ckpt else 0, EPOCHS), forced,
+                       ckpt if save_to else None)
+        record["reports"] = [{"sat_out": report.sat_out, "diagnosis": report.diagnosis(), "shares": report.shares}
+                             for report in model.epoch_reports]
+        return model, record
+
+    runs = [(name, make_wide_model, FORCED if args.forced else None, None, args.forced)]
+    if args.forced:
+        runs += [("resumed", make_wide_model, FORCED, args.out / "resume", False),
+                 ("batchnorm", make_batchnorm_model, BATCHNORM_FORCED, None, False)]
+    for label, make_model, forced, resume_from, saves in runs:
+        dist.barrier()
+        model, record = run(make_model, forced, resume_from, args.out / "ckpt" if saves else None)
+        (args.out / f"{label}_{rank}.json").write_text(json.dumps(record))
+        torch.save(model.module.state_dict(), args.out / f"{label}_{rank}.pt")
+        model.close()
     dist.destroy_process_group()
 
 
