@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import AllocationPolicy, Allocator, Static
 from hetdp.cluster.emulate import Emulation
+from hetdp.cluster.memory import largest_forward
 from hetdp.errors import ConfigError
 from hetdp.runtime import peer_failures
 from hetdp.train.caps import check_fits, memory_caps
@@ -30,6 +32,7 @@ class Allocating:
 
     rank: int
     world_size: int
+    module: nn.Module
     allocation: AllocationPolicy
     emulation: Emulation
     step_timeout_s: float
@@ -41,7 +44,7 @@ class Allocating:
     """Under allreduce, who takes part in each step's exchange: the allocation decides who sits out."""
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
-                 seed: int | None = None, max_batch: int | Sequence[int | None] | None = None,
+                 seed: int | None = None, max_batch: int | Sequence[int | None] | Literal["measure"] | None = None,
                  accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None,
                  own_data: bool = False) -> AllocatedLoader:
         """Re-cut ``loader`` so that each batch is this rank's share of a step of ``global_batch`` samples.
@@ -55,9 +58,13 @@ class Allocating:
             global_batch: samples per step over all ranks (default: the loader's batch size x world size, as DDP).
             shuffle, seed: override the order read off the loader's sampler.
             max_batch: the most samples one forward may hold (memory): this rank's (an int; the ranks exchange
-                theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). None: the
-                emulated devices' caps under ``hetdp run --devices``, else no cap. Unless ``accumulates``, each share
-                is capped by it (collective: every rank passes the same kind of value).
+                theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). ``"measure"``:
+                each rank's own, so that memory sets the shares with no tuning by hand: on CUDA from the peak memory
+                of trial forward and backward passes of ``loader``'s first batch at its full and half size, which
+                leave no trace (``hetdp.cluster.memory``; not yet verified on a real GPU), elsewhere the emulated
+                device's cap or none. None: the emulated devices' caps under ``hetdp run --devices``, else no cap.
+                Unless ``accumulates``, each share is capped by it (collective: every rank passes the same kind of
+                value).
             accumulates: whether the loop runs a share above ``max_batch`` as several forwards (micro-batches
                 under ``no_sync``, as examples/allocation_train.py does). Then shares are not capped, and the
                 piecewise adaptive rule counts each micro-batch in its step-time model.
@@ -76,7 +83,8 @@ class Allocating:
                 for the ranks, or one above the sum of capped ranks' ``max_batch`` (the drop-in cannot split a
                 share into micro-batches for the loop: lower ``global_batch``, or use ``accumulates``); a model
                 that follows another (its leader's loader cuts the steps); with ``own_data``, an allocation that
-                would move samples between ranks (adaptive, static), or a rank that holds none.
+                would move samples between ranks (adaptive, static), or a rank that holds none; a bad
+                ``max_batch``, or a trial step of ``"measure"`` that fails on some rank (raised on every rank).
         """
         if self._follows:
             raise ConfigError("this model follows another's steps: allocate that model's loader")
@@ -90,7 +98,8 @@ class Allocating:
             global_batch = batch * self.world_size
         balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
-            caps = memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects)
+            caps = memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects,
+                               lambda: largest_forward(self.module, loader, rank=self.rank, emulation=self.emulation))
             bounds = None if accumulates else caps
             if bounds is not None:
                 check_fits(bounds, global_batch, balance)

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from hetdp.allocate.pack import CostBalance
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
 
 
-def memory_caps(max_batch: int | Sequence[int | None] | None, world_size: int, emulation: Emulation,
-                gather: Callable[[Any, str], list[Any]]) -> list[int | None] | None:
-    """Every rank's largest forward: given for all, exchanged (each rank gives its own, through ``gather``, a
-    collective), or the emulated devices' (``hetdp run --devices``); None: no cap."""
+def memory_caps(max_batch: int | Sequence[int | None] | Literal["measure"] | None, world_size: int,
+                emulation: Emulation, gather: Callable[[Any, str], list[Any]],
+                measure: Callable[[], int | None]) -> list[int | None] | None:
+    """Every rank's largest forward: given for all, exchanged (each rank gives its own, an int or ``measure()``'s,
+    through ``gather``, a collective), or the emulated devices' (``hetdp run --devices``); None: no cap. A rank whose
+    ``measure()`` fails raises its ConfigError on every rank, after the exchange."""
     if max_batch is None:
         devices = emulation.devices
         return None if devices is None else [device.max_batch for device in devices]
+    if isinstance(max_batch, str) and max_batch == "measure":
+        try:
+            mine: int | str | None = measure()
+        except ConfigError as error:  # raised on every rank after the exchange, so that none waits for this one
+            mine = str(error)
+        caps = gather(mine, "exchanging the ranks' measured max_batch")
+        failed = [(rank, cap) for rank, cap in enumerate(caps) if isinstance(cap, str)]
+        if failed:
+            raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}")
+        return caps
     if isinstance(max_batch, int):
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 sample, got {max_batch}")
         return gather(max_batch, "exchanging the ranks' max_batch")
+    if isinstance(max_batch, str) or not isinstance(max_batch, Sequence):
+        raise ConfigError(f"max_batch must be an int >= 1, one cap (or None) per rank, 'measure' or None, "
+                          f"got {max_batch!r}")
     caps = list(max_batch)
     if len(caps) != world_size or any(cap is not None and cap < 1 for cap in caps):
         raise ConfigError(f"max_batch needs one cap >= 1 (or None) per rank for {world_size} ranks, got {caps}")

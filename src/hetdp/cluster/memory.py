@@ -1,0 +1,137 @@
+"""The largest forward a rank's memory allows: from its emulated device, or measured on CUDA.
+
+The drop-in cannot split a share of the user's loop into micro-batches, so this
+cap bounds the shares (``model.allocate(loader, max_batch="measure")``). On CUDA
+it comes from the free memory (``torch.cuda.mem_get_info``) and the peak memory
+of trial steps at two batch sizes; on CPU there is none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from hetdp.cluster.emulate import Emulation
+from hetdp.errors import ConfigError
+
+HEADROOM = 0.85
+"""Fraction of the free memory a cap plans for: room for fragmentation and for optimizer state (Adam's two moments)
+that appears only at the first ``optimizer.step()``, after the trial steps."""
+
+
+def cap_from_memory(free_bytes: float, fixed_bytes: float, per_sample_bytes: float,
+                    headroom: float = HEADROOM) -> int | None:
+    """The largest forward that fits: ``floor((headroom * free - fixed) / per_sample)`` (C-ADP eq. 3's P_max).
+
+    Args:
+        free_bytes: memory a step may still take (free on the device, plus what torch's allocator caches unused).
+        fixed_bytes: what a step adds whatever its batch (workspace, gradients), beyond what is already allocated.
+        per_sample_bytes: what one more sample adds to the step's peak; 0 or less: memory does not limit the batch.
+        headroom: the fraction of ``free_bytes`` to plan for.
+
+    Returns:
+        The cap in samples (at least 1), or None when memory does not grow with the batch.
+
+    Raises:
+        ConfigError: not even one sample fits, or a bad headroom.
+    """
+    if not 0 < headroom <= 1:
+        raise ConfigError(f"headroom must be a fraction in (0, 1], got {headroom!r}")
+    if per_sample_bytes <= 0:
+        return None
+    cap = math.floor((headroom * free_bytes - max(fixed_bytes, 0.0)) / per_sample_bytes)
+    if cap < 1:
+        raise ConfigError(f"not one sample fits in memory: {free_bytes / 1e6:.0f} MB free x {headroom:g} headroom, "
+                          f"{fixed_bytes / 1e6:.0f} MB fixed, {per_sample_bytes / 1e6:.1f} MB per sample")
+    return cap
+
+
+def largest_forward(module: nn.Module, loader: Iterable[Any], *, rank: int, emulation: Emulation) -> int | None:
+    """This rank's memory cap in samples: its emulated device's, else measured on CUDA, else None (no cap).
+
+    Args:
+        module: the model on its device, as it will train (not its DDP wrapper, whose forward opens a step).
+        loader: its first batch is the trial batch (read on CUDA only), at least 2 samples: see ``trial_step``.
+        rank: this rank (indexes the emulated devices).
+        emulation: the emulation of this run.
+    """
+    if emulation.devices is not None:
+        return emulation.devices[rank].max_batch
+    device = next(module.parameters()).device
+    if device.type != "cuda":
+        return None
+    with torch.random.fork_rng(devices=[device]):  # the loader's shuffle and dropout draw nothing for good
+        return _measure_cuda(module, next(iter(loader), None), device)
+
+
+def _measure_cuda(module: nn.Module, batch: Any, device: torch.device) -> int | None:
+    """Peak memory of trial steps at two batch sizes: the slope is the per-sample memory, the rest at zero samples
+    the fixed part; the free memory is the driver's plus what torch's allocator holds unused."""
+    first = next(iter(_tensors(batch)), None)
+    size = first.shape[0] if first is not None and first.dim() else 0
+    if size < 2:
+        raise ConfigError(f"max_batch='measure' needs a first batch of at least 2 samples, got {size}")
+    sizes = (size, size // 2)
+
+    def peak_of(samples: int) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trial_step(module, batch, samples)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    peak_of(sizes[1])  # a first step allocates what every later one reuses (cuBLAS workspace, cuDNN plans)
+    baseline = torch.cuda.memory_allocated(device)
+    peaks = [peak_of(samples) for samples in sizes]
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    per_sample = (peaks[0] - peaks[1]) / (sizes[0] - sizes[1])
+    fixed = peaks[0] - baseline - per_sample * sizes[0]
+    return cap_from_memory(free, fixed, per_sample)
+
+
+def trial_step(module: nn.Module, batch: Any, samples: int) -> None:
+    """Forward and backward on the first ``samples`` of ``batch``, leaving ``module`` untouched.
+
+    ``batch`` is a tensor, a sequence whose first item is the model's input, or a
+    mapping of keyword arguments. The output's sum stands for the loss: backward
+    memory does not depend on the loss function. The step runs on detached
+    parameters and copied buffers, so the model's gradients, its DDP hooks and its
+    BatchNorm statistics never see it.
+    """
+    device = next(module.parameters()).device
+
+    def cut(value: Any) -> Any:
+        return value[:samples].to(device) if isinstance(value, torch.Tensor) else value
+
+    state = {name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()}
+    state.update((name, buffer.clone()) for name, buffer in module.named_buffers())
+    try:
+        if isinstance(batch, Mapping):
+            output = functional_call(module, state, (), {key: cut(value) for key, value in batch.items()})
+        else:
+            output = functional_call(module, state, (cut(batch[0] if isinstance(batch, (list, tuple)) else batch),))
+        outputs = [tensor.float().sum() for tensor in _tensors(output) if tensor.requires_grad]
+        if not outputs:
+            raise ValueError("the model's output holds no tensor that requires grad")
+        torch.stack(outputs).sum().backward()
+    except Exception as error:  # the batch, the model or the memory: the user can still give the cap
+        reason = (str(error).splitlines() or [""])[0]
+        raise ConfigError(f"max_batch='measure' could not run a trial step on the loader's first batch "
+                          f"({type(error).__name__}: {reason}): pass max_batch=<samples> instead") from error
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a nest of sequences and mappings (a batch, a model's output), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [tensor for item in tree for tensor in _tensors(item)]
+    return []
