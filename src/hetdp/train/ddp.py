@@ -28,7 +28,6 @@ from hetdp.collectives.paths import agree_in_group
 from hetdp.errors import ConfigError
 from hetdp.liveness import Heartbeat
 from hetdp.runtime import new_step_group, peer_failures
-from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.policy import SyncPolicy, sync_policy
 from hetdp.train.allocating import Allocating
 from hetdp.train.clock import StepClock
@@ -37,7 +36,7 @@ from hetdp.train.hook import HookState, buffer_options, comm_hook, progress, syn
 from hetdp.train.loader import StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.train.planning import Planner
-from hetdp.train.sitout import Optimizers, SitOutSeam
+from hetdp.train.sitout import seam
 from hetdp.train.step import OpenStep, StepListener, StepRunner, evaluating, rebuild_buckets, warn_unstepped
 from hetdp.train.stepcheckpoint import CheckpointState
 from hetdp.train.tally import Epochs
@@ -143,11 +142,9 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         """The collective paths every rank's device allows, agreed at construction (a group may mix devices)."""
         self.synchronizer = synchronizer(sync_spec, module, group, step_timeout_s, self.paths)
         self._hook = HookState(self.clock, self.synchronizer, self.world_size)
-        self._seam = SitOutSeam.of(self, self.synchronizer, module, group, step_timeout_s,
-                                   follow._seam if follow is not None else None)
+        self._seam = seam(self, self.synchronizer, module, group, step_timeout_s,
+                          follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None
-        # Trained apart, a stand-in's gradient stays on its rank: an optimizer step on it would move the replica.
-        self._idle = Optimizers([module]) if isinstance(self.synchronizer, ParameterAveraging) else None
         self.register_comm_hook(self._hook, comm_hook)
         self._steps = StepRunner(self._hook, module)
         self.metrics = metrics or MetricsConfig()
@@ -224,9 +221,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         wanted = any(listener.meets_after(self.steps_done + 1) for listener in self._listeners)
         self._steps.begin(ticket, total, meets=self._planner.meets_after(ticket, wanted))
         if self._seam is not None:
-            self._seam.route(self, ticket.step)
-        if self._idle is not None:
-            self._idle.out = ticket.samples == 0
+            self._seam.route(self, ticket)
         DistributedDataParallel.steps_in_process += 1
         for model in self._open_followers():
             model.begin_ticket(ticket, total)
@@ -239,7 +234,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
               and self._first_warning("unstepped")):
             warn_unstepped()
         if self._seam is not None and self._steps.open is not None and self._seam.shortcut(self):
-            return self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange: see sitout.py
+            return self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange (sitout.py)
         # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
         broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
                      if self.will_sync_module_buffers() else contextlib.nullcontext())

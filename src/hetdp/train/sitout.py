@@ -25,7 +25,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_map
 
 from hetdp.runtime import global_rank, peer_failures, wait_for
+from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.gradient_sum import GradientSum, Route
+from hetdp.train.loader import StepTicket
 from hetdp.train.step import evaluating
 
 
@@ -322,6 +324,85 @@ def _moved(value: Any, device: torch.device) -> Any:
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
+class Unexchanged:
+    """Forwards whose gradient no other rank needs, run as under torch's ``no_sync``: autograd leaves the gradient
+    in ``.grad`` rather than the reducer copying it through its buckets and back, and the reducer never records the
+    order of its first backward, so no bucket rebuild (a collective) ever waits for the slowest rank. The end of
+    each backward through the output marks the step's compute done, as the last bucket would."""
+
+    def __init__(self, hook: Any) -> None:
+        self._hook = hook
+        self._queued = False
+        """Whether the end of the running backward is awaited (``_backward_ended``)."""
+
+    def forward(self, model: Any, ddp_forward: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        model.require_backward_grad_sync = False
+        try:
+            output = ddp_forward(*inputs, **kwargs)
+        finally:
+            model.require_backward_grad_sync = True
+        tree_map(self._watch, output)
+        return output
+
+    def _watch(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        hook = self._hook
+        hook.reached = True
+        hook.clock.mark_ready(last_bucket=True, alone=hook.local and not hook.meets)
+        hook.clock.mark_synced()
+
+
+class LocalSeam:
+    """A model's side of local training (``"local"``, ``"local:K"``): no step's gradient leaves its rank, so every
+    forward is ``Unexchanged``, and a stand-in step (no sample of this rank) moves nothing (``Optimizers``). The
+    replicas meet in the planner's meetings, not here."""
+
+    sitting = None
+    """No rank ever sits out of an exchange that does not happen."""
+
+    def __init__(self, model: Any, module: nn.Module) -> None:
+        self.optimizers = Optimizers([module])
+        self._lone = Unexchanged(model._hook)
+
+    def route(self, model: Any, ticket: StepTicket) -> None:
+        self.optimizers.out = ticket.samples == 0
+
+    def shortcut(self, model: Any) -> bool:
+        accumulation = model._steps.accumulation
+        return model.require_backward_grad_sync and (accumulation is None or not accumulation.waiting)
+
+    def forward(self, model: Any, ddp_forward: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._lone.forward(model, ddp_forward, inputs, kwargs)
+
+    def catch_up(self, steps_done: int, modules: Sequence[nn.Module], force: bool = False, state: bool = True) -> None:
+        """Nothing to bring current: every rank trained every step."""
+
+
+def seam(model: Any, synchronizer: Any, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
+         leader: SitOutSeam | LocalSeam | None) -> SitOutSeam | LocalSeam | None:
+    """The seam of ``model`` over ``module`` for its synchronization: ``SitOutSeam`` under allreduce
+    (``GradientSum``), ``LocalSeam`` under local training, None under partial synchronization; ``leader``: the seam
+    of the model it follows, if any."""
+    if leader is not None and leader.optimizers is not None:
+        leader.optimizers.add(module)
+    if isinstance(synchronizer, ParameterAveraging):
+        return LocalSeam(model, module)
+    if not isinstance(synchronizer, GradientSum):
+        return None
+    if isinstance(leader, SitOutSeam):
+        return SitOutSeam(model, leader.sitting, None, leader.stand_in)
+    return SitOutSeam(model, SitOut(group, timeout_s), Optimizers([module]), StandIn())
+
+
 class SitOutSeam:
     """A model's side of sitting out (``hetdp.DDP`` under allreduce): each step's gradient routed to the step's
     members, torch's forward broadcast of buffers off while some rank is out, the ranks that sat out brought current.
@@ -341,30 +422,15 @@ class SitOutSeam:
         """Whether this rank sits out the open step: its forwards run ``stand_in``."""
         self.alone = False
         """Whether this rank is the open step's only member while others sit out: it has nothing to exchange."""
-        self._hook = model._hook
-        self._queued = False
-        """Whether the end of the running backward is awaited (``_backward_ended``)."""
+        self._lone = Unexchanged(model._hook)
         self._syncs_buffers = _buffer_sync(model, None)
         stand_in.add(model.module)
         sitting.exchanges.append(weakref.ref(model.synchronizer))
 
-    @classmethod
-    def of(cls, model: Any, synchronizer: Any, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
-           leader: SitOutSeam | None) -> SitOutSeam | None:
-        """The seam of ``model`` over ``module``, None unless its synchronization is allreduce (``GradientSum``);
-        ``leader``: the seam of the model it follows, if any."""
-        if leader is not None and leader.optimizers is not None:
-            leader.optimizers.add(module)
-        if not isinstance(synchronizer, GradientSum):
-            return None
-        if leader is not None:
-            return cls(model, leader.sitting, None, leader.stand_in)
-        return cls(model, SitOut(group, timeout_s), Optimizers([module]), StandIn())
-
-    def route(self, model: Any, step: int) -> None:
+    def route(self, model: Any, ticket: StepTicket) -> None:
         """Send the step's gradient to its members only; while some rank sits out, torch's forward broadcast of
         rank 0's buffers is off (rank 0 may be out): the members' buffers meet at the next catch-up."""
-        route = self.sitting.route(step)
+        route = self.sitting.route(ticket.step)
         everyone = route.world_size == model.world_size
         if route.group is not None:  # a follower exchanges over its own group
             route = Route(model._group, route.rank, route.world_size, None if everyone else route.peers)
@@ -386,34 +452,11 @@ class SitOutSeam:
         return self.alone and model.require_backward_grad_sync and (accumulation is None or not accumulation.waiting)
 
     def forward(self, model: Any, ddp_forward: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A forward that ``shortcut`` allows: a stand-in's, or the lone member's as under torch's ``no_sync``, its
-        gradient left in ``.grad`` by autograd (it is the mean over the whole step's samples already) rather than
-        copied through the reducer's buckets and back. The end of each backward through its output marks the
-        step's compute done, as the last bucket would."""
+        """A forward that ``shortcut`` allows: a stand-in's, or the lone member's (``Unexchanged``): its gradient is
+        the mean over the whole step's samples already."""
         if self.out:
             return self.stand_in.forward(model, inputs, kwargs)
-        model.require_backward_grad_sync = False
-        try:
-            output = ddp_forward(*inputs, **kwargs)
-        finally:
-            model.require_backward_grad_sync = True
-        tree_map(self._watch, output)
-        return output
-
-    def _watch(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            value.register_hook(self._backward_started)
-
-    def _backward_started(self, grad: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        self._queued = False
-        self._hook.reached = True
-        self._hook.clock.mark_ready(last_bucket=True)
-        self._hook.clock.mark_synced()
+        return self._lone.forward(model, ddp_forward, inputs, kwargs)
 
     def catch_up(self, steps_done: int, modules: Sequence[nn.Module], force: bool = False, state: bool = True) -> None:
         """Bring the ranks that sat out current where one rejoins, or, with ``force``, wherever some rank sat out
