@@ -377,8 +377,10 @@ class LocalSeam:
         self.optimizers.out = ticket.samples == 0
 
     def shortcut(self, model: Any) -> bool:
-        accumulation = model._steps.accumulation
-        return model.require_backward_grad_sync and (accumulation is None or not accumulation.waiting)
+        """Every forward that would synchronize, on every rank, also the one that ends an accumulation under
+        ``no_sync`` (its gradient stays local all the same): no reducer ever records a backward, so none rebuilds
+        its buckets, a collective the others would not join."""
+        return model.require_backward_grad_sync
 
     def forward(self, model: Any, ddp_forward: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self._lone.forward(model, ddp_forward, inputs, kwargs)
@@ -445,7 +447,12 @@ class SitOutSeam:
 
     def shortcut(self, model: Any) -> bool:
         """Whether this rank's forwards in the open step bypass torch DDP's reducer: it sits the step out, or it is
-        the step's only member and the loop accumulates nothing under ``no_sync`` (nothing to weigh or exchange)."""
+        the step's only member and the loop accumulates nothing under ``no_sync`` (nothing to weigh or exchange).
+        Not before torch DDP rebuilt its buckets: the rebuild is a collective joined by the ranks whose reducer
+        recorded a backward, so every rank must record the same first one (a run resumed with a rank out would
+        otherwise leave the members alone in it)."""
+        if not model._has_rebuilt_buckets:
+            return False
         if self.out:
             return True
         accumulation = model._steps.accumulation
