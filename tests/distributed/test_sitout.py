@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ def load(out: Path, name: str = "sitout") -> list[dict]:
     return [json.loads((out / f"{name}_{rank}.json").read_text()) for rank in range(RANKS)]
 
 
+@functools.cache
 def reference() -> dict[str, torch.Tensor]:
     """One process on the same global batches, the mean loss over each."""
     model = make_wide_model()
@@ -57,6 +59,14 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def assert_every_rank_ends_with_the_reference(folder: Path, name: str) -> None:
+    """Every rank's saved model (``<name>_<rank>.pt``) is the one process's, to float tolerance."""
+    expected = reference()
+    for rank in range(RANKS):
+        for key, tensor in torch.load(folder / f"{name}_{rank}.pt").items():
+            torch.testing.assert_close(tensor, expected[key], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {key}")
+
+
 @pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_rejoin_when_they_pay(out):
     members = load(out)[0]["members"]
@@ -68,10 +78,7 @@ def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_r
 
 
 def test_the_model_trains_as_one_process_on_the_global_batches_while_ranks_sit_out_and_after_they_rejoin(out):
-    expected = reference()
-    for rank in range(RANKS):  # the ranks that sat out too: they were brought current
-        for name, tensor in torch.load(out / f"sitout_{rank}.pt").items():
-            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+    assert_every_rank_ends_with_the_reference(out, "sitout")  # the ranks that sat out too: brought current
 
 
 @pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
@@ -102,10 +109,7 @@ def test_a_subset_of_members_sums_among_itself_exactly_whichever_ranks_it_holds(
     assert members[:9] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[1, 2]] * 3 + [[0, 1, 2, 3]], members
     for step, ranks in enumerate(members):
         assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)
-    expected = reference()
-    for rank in range(RANKS):
-        for name, tensor in torch.load(forced / f"forced_{rank}.pt").items():
-            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+    assert_every_rank_ends_with_the_reference(forced, "forced")
 
 
 def test_a_checkpoint_saved_while_a_rank_sits_out_resumes_to_the_one_process_model(forced):
@@ -114,10 +118,7 @@ def test_a_checkpoint_saved_while_a_rank_sits_out_resumes_to_the_one_process_mod
     resumed = load(forced, "resumed")
     members = resumed[0]["members"]
     assert len(members) == EPOCHS * SIZE // GLOBAL_BATCH - SAVED_AT and [1, 2] in members, members
-    expected = reference()
-    for rank in range(RANKS):
-        for name, tensor in torch.load(forced / f"resumed_{rank}.pt").items():
-            torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {name}")
+    assert_every_rank_ends_with_the_reference(forced, "resumed")
 
 
 def test_batchnorm_buffers_stand_still_on_a_rank_out_and_are_the_keepers_after_each_catch_up(forced):
