@@ -310,12 +310,22 @@ class Pacer:
         """The step whose deadline runs on from the last one's: the step after one that ended ``alone``."""
         self._lead_s = 0.0
         """The lead ``start`` slept; ``finish`` pads the rest of the block (a caller may know the samples only then)."""
+        self._finished_s = 0.0
+        """When the last step's padding ended (sample-cost mode): where a step that runs on from it began."""
         self._warned = False
 
-    def start(self, step: int, samples: float) -> None:
-        """Sleep through the straggler delay drawn for ``step``, then the lead of its ``samples``."""
+    def start(self, step: int, samples: float) -> float | None:
+        """Sleep through the straggler delay drawn for ``step``, then the lead of its ``samples``; return when the
+        emulated device began the step, on the pacer's clock: where the last step ended if this one runs on from it
+        (None: now).
+
+        A step that runs on is timed from there, as a device's own clock times work queued behind the last: the
+        host work between the two ran while the device computed, and timed from the host's start the step would
+        read as its block less that host work (a fast rank's 4 ms block as 1 ms), which the allocation takes for
+        speed.
+        """
         if not self.active:
-            return
+            return None
         emulation, now = self.emulation, self._now()
         block_s = emulation.block_s(self.rank, samples, step)
         runs_on = self._runs_on_to == step and emulation.sample_cost_ms > 0 and now - self._deadline <= block_s
@@ -324,6 +334,7 @@ class Pacer:
         self._lead_s = emulation.lead_s(self.rank, samples, step)
         self._deadline = origin + emulation.straggler_delay_s(step, self.rank, self.world_size) + self._lead_s
         self._sleep_until(self._deadline)
+        return self._finished_s if runs_on else None
 
     def finish(self, step: int, samples: float, compute_s: float, forwards: int | None = None, *,
                alone: bool = False) -> None:
@@ -339,6 +350,7 @@ class Pacer:
             self._deadline += emulation.block_s(self.rank, samples, step, forwards) - self._lead_s
             self._sleep_until(self._deadline)
             self._runs_on_to = step + 1 if alone else None
+            self._finished_s = self._now()
         else:
             delay_s = emulation.straggler_delay_s(step, self.rank, self.world_size)
             (self._sleep or sleep)(emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))

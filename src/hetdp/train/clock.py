@@ -116,7 +116,9 @@ class StepClock:
         self._closed = False
         self._paced = (step, samples)
         self.forwards = 0
-        self.pacer.start(step, samples)
+        began = self.pacer.start(step, samples)
+        if began is not None and self.device.type != "cuda":
+            self._start = began  # the emulated device ran on from the last step (Pacer.start)
 
     def mark_ready(self, last_bucket: bool, alone: bool = False) -> None:
         """A gradient bucket is ready; after the last one, pad the compute to the emulated device's. ``alone``: the

@@ -78,6 +78,19 @@ def test_a_block_that_ran_long_is_made_up_by_the_next_sleeps_of_the_phase():
     assert timeline.now == pytest.approx(4 * BLOCK_S)
 
 
+def test_a_step_that_runs_on_is_timed_from_the_last_steps_end_and_lasts_its_block():
+    """Timed from the host's start, a step alone would read as its block less the host work before it."""
+    timeline = Timeline()
+    pacer = _pacer(timeline)
+    _step(pacer, timeline, 0, compute_s=0.005, host_s=0.003, alone=True)
+    ended = timeline.now - 0.003
+    assert pacer.start(1, 20) == pytest.approx(ended)
+    timeline.work(0.005)
+    pacer.finish(1, 20, 0.005)
+    assert timeline.now - ended == pytest.approx(BLOCK_S)
+    assert pacer.start(2, 20) is None  # step 1 ended with an exchange: step 2 starts afresh, timed from now
+
+
 def test_a_wait_longer_than_the_next_block_restarts_the_deadline():
     """A collective nobody announced (a bucket rebuild, a planning gather) must not come out of the next blocks."""
     timeline = Timeline()
