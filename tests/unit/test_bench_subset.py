@@ -9,7 +9,7 @@ def _rows(seconds, shares, sat_out=()):
 
 
 def test_the_figures_are_the_fastest_alone_over_the_group_and_the_efficiency_as_bench_allocation_defines_it():
-    raw = {"parameters": {"mlp": 10, "convnet": 5}, "runs": {
+    raw = {"parameters": {"mlp": 10, "convnet": 5}, "comm_heavy_sample_cost_ms": 20.0, "runs": {
         "fastest_alone": _rows([2.0, 1.0, 1.0, 1.0], [128]),
         "comm_heavy": _rows([3.0, 2.0, 1.0, 1.0], [128, 0, 0, 0], sat_out=(1, 2, 3)),
         "balanced_equal": _rows([4.0, 4.0, 4.0, 4.0], [32, 32, 32, 32]),
