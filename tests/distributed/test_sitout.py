@@ -15,7 +15,7 @@ from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
-from sitout_worker import EPOCHS, GLOBAL_BATCH, SAVED_AT, SIZE, make_wide_model  # noqa: E402
+from sitout_worker import ACCUMULATE, EPOCHS, GLOBAL_BATCH, SAVED_AT, SIZE, make_wide_model  # noqa: E402
 
 RANKS = 4
 CHANGE_AT = 12
@@ -41,8 +41,9 @@ def load(out: Path, name: str = "sitout") -> list[dict]:
 
 
 @functools.cache
-def reference() -> dict[str, torch.Tensor]:
-    """One process on the same global batches, the mean loss over each."""
+def reference(every: int = 1) -> dict[str, torch.Tensor]:
+    """One process on the same global batches, the mean loss over each, ``every`` of them accumulated per optimizer
+    step (and the epoch's last)."""
     model = make_wide_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = Pairs(SIZE)
@@ -51,17 +52,20 @@ def reference() -> dict[str, torch.Tensor]:
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         order = sampler.permutation()
-        for first in range(0, SIZE, GLOBAL_BATCH):
-            index = torch.tensor(order[first : first + GLOBAL_BATCH])
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
-            optimizer.step()
+        steps = -(-SIZE // GLOBAL_BATCH)
+        for i in range(steps):
+            index = torch.tensor(order[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
+            if i % every == 0:
+                optimizer.zero_grad()
+            (nn.functional.cross_entropy(model(data.x[index]), data.y[index]) / every).backward()
+            if (i + 1) % every == 0 or i == steps - 1:
+                optimizer.step()
     return model.state_dict()
 
 
-def assert_every_rank_ends_with_the_reference(folder: Path, name: str) -> None:
+def assert_every_rank_ends_with_the_reference(folder: Path, name: str, every: int = 1) -> None:
     """Every rank's saved model (``<name>_<rank>.pt``) is the one process's, to float tolerance."""
-    expected = reference()
+    expected = reference(every)
     for rank in range(RANKS):
         for key, tensor in torch.load(folder / f"{name}_{rank}.pt").items():
             torch.testing.assert_close(tensor, expected[key], atol=2e-6, rtol=1e-5, msg=f"rank {rank} {key}")
@@ -138,3 +142,15 @@ def test_batchnorm_buffers_stand_still_on_a_rank_out_and_are_the_keepers_after_e
         assert len({result["epoch_sums"][epoch] for result in results}) == 1, epoch
     for step, ranks in enumerate(members):  # and every member starts every step with the same parameters
         assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)
+
+
+def test_batches_accumulated_under_no_sync_across_a_membership_change_train_as_one_process(forced):
+    # Two batches per optimizer step, the first under no_sync. The change at step 5 falls inside the window of steps
+    # 4 and 5: ranks 0 and 3 leave the exchange holding step 4's gradient, and rank 2 rejoins without it. The window's
+    # gradient is still the mean over both global batches, on every rank.
+    results = load(forced, "accumulated")
+    members = results[0]["members"]
+    assert members[4] == [0, 1, 3] and members[5] == [1, 2], members
+    for step, ranks in enumerate(members):
+        assert len({results[rank]["sums"][step] for rank in ranks}) == 1, (step, ranks)
+    assert_every_rank_ends_with_the_reference(forced, "accumulated", ACCUMULATE)

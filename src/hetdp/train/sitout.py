@@ -80,9 +80,18 @@ class SitOut:
         if set(members) - set(before):
             self.catch_up_at = first if self.catch_up_at is None else min(self.catch_up_at, first)
 
-    def route(self, step: int) -> Route:
-        """Where this rank's gradient goes in ``step`` (the whole group's route while everyone takes part)."""
-        members = self.members_at(step)
+    def taking_part(self, step: int, holding: Sequence[int] = ()) -> tuple[int, ...]:
+        """The ranks in the exchange of ``step``: its members, and ``holding``, the ranks that took part in an earlier
+        step of an open accumulation window (gradients wait under ``no_sync`` for a synchronized backward). Each of
+        those holds part of the window's sum, so it takes part until the window closes: a rank the schedule let go
+        runs its stand-ins weighted 0 through the exchange and keeps its gradient. Had it left, the window's gradient
+        would lack its earlier steps' samples."""
+        return tuple(sorted({*self.members_at(step), *holding}))
+
+    def route(self, step: int, holding: Sequence[int] = ()) -> Route:
+        """Where this rank's gradient goes in ``step`` (the whole group's route while everyone takes part); see
+        ``taking_part`` for ``holding``."""
+        members = self.taking_part(step, holding)
         if len(members) < self.world_size:
             self.apart = True
         if self.rank not in members:
@@ -425,6 +434,8 @@ class SitOutSeam:
         self.alone = False
         """Whether this rank is the open step's only member while others sit out: it has nothing to exchange."""
         self._lone = Unexchanged(model._hook)
+        self._holding: Sequence[int] = ()
+        """The ranks that took part in the open step (``route``): in the next one too if it closes a window."""
         self._syncs_buffers = _buffer_sync(model, None)
         stand_in.add(model.module)
         sitting.exchanges.append(weakref.ref(model.synchronizer))
@@ -432,7 +443,11 @@ class SitOutSeam:
     def route(self, model: Any, ticket: StepTicket) -> None:
         """Send the step's gradient to its members only; while some rank sits out, torch's forward broadcast of
         rank 0's buffers is off (rank 0 may be out): the members' buffers meet at the next catch-up."""
-        route = self.sitting.route(ticket.step)
+        accumulation = model._steps.accumulation
+        # Every rank runs the same loop, so the ranks agree on the window and on who holds part of it.
+        holding = self._holding if accumulation is not None and accumulation.waiting else ()
+        route = self.sitting.route(ticket.step, holding)
+        self._holding = self.sitting.taking_part(ticket.step, holding)
         everyone = route.world_size == model.world_size
         if route.group is not None:  # a follower exchanges over its own group
             route = Route(model._group, route.rank, route.world_size, None if everyone else route.peers)

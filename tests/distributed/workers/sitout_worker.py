@@ -7,14 +7,16 @@ members and a checksum of the parameters it starts the step with, and its final
 parameters.
 
 With ``--forced`` the memberships are set by hand (``FORCED``), and the same
-launch goes on to two more runs: one resumed from the step checkpoint saved while
-rank 2 sat out, and one of a BatchNorm model, whose buffers every rank records
-after each step and each epoch.
+launch goes on to three more runs: one resumed from the step checkpoint saved while
+rank 2 sat out, one of a BatchNorm model, whose buffers every rank records
+after each step and each epoch, and one that accumulates ``ACCUMULATE`` batches
+per optimizer step under ``no_sync``, across the forced membership changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -57,26 +59,35 @@ them: three members (one folded into the doubling), then two that were not both 
 BATCHNORM_FORCED = {1: (2, [11, 11, 0, 10]), 6: (7, [0, 10, 11, 11])}
 """--forced, the BatchNorm run: rank 2 sits out steps 2 to 6, rank 0 from step 7 to the end (its buffers, which
 torch DDP would broadcast at each forward, are out of date; every epoch ends with a rank out)."""
+ACCUMULATE = 2
+"""--forced, the accumulating run: batches per optimizer step. FORCED's change at step 5 falls inside the window of
+steps 4 and 5: ranks 0 and 3 leave the exchange with the gradient of step 4 still on them, and rank 2 rejoins."""
 SAVED_AT = 4
 """--forced: the step count of the checkpoint the resumed run starts from (rank 2 sits out steps 2 to 4)."""
 
 
-def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | None, ckpt=None) -> dict[str, list]:
-    """The user's loop; per step, the members and the checksums of the parameters at its start and of the buffers
-    at its end, and per epoch, the buffers' checksum after it ended."""
+def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | None, ckpt=None, every: int = 1
+          ) -> dict[str, list]:
+    """The user's loop, ``every`` batches per optimizer step (the others under ``no_sync``, the epoch's last batch
+    stepping too); per step, the members and the checksums of the parameters at its start and of the buffers at its
+    end, and per epoch, the buffers' checksum after it ended."""
     record: dict[str, list] = {"members": [], "sums": [], "buffers": [], "epoch_buffers": [], "epoch_sums": []}
     for epoch in epochs:
         loader.sampler.set_epoch(epoch)
-        for batch in loader:
+        for i, batch in enumerate(loader):
             if forced and model.steps_done in forced:
                 first, shares = forced[model.steps_done]
                 model._schedule.append((first, shares))
                 model._sitting.schedule(first, [r for r, share in enumerate(shares) if share])
             record["members"].append(list(model._sitting.members_at(model.steps_done)))
             record["sums"].append(checksum(model.module))
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(batch["x"]), batch["y"]).backward()
-            optimizer.step()
+            if i % every == 0:
+                optimizer.zero_grad()
+            steps = (i + 1) % every == 0 or i == len(loader) - 1
+            with contextlib.nullcontext() if steps else model.no_sync():
+                (nn.functional.cross_entropy(model(batch["x"]), batch["y"]) / every).backward()
+            if steps:
+                optimizer.step()
             record["buffers"].append(buffer_sum(model.module))
             if ckpt is not None and model.steps_done == SAVED_AT + 1 and model.rank == 0:
                 shutil.copytree(ckpt.folder, ckpt.folder.with_name("resume"))  # the save at SAVED_AT, kept apart
@@ -99,8 +110,8 @@ def main() -> None:
     data = Pairs(SIZE)
     name = "forced" if args.forced else "sitout"
 
-    def run(make_model, forced: dict | None, resume_from: Path | None = None, save_to: Path | None = None
-            ) -> tuple[hetdp.DDP, dict]:
+    def run(make_model, forced: dict | None, resume_from: Path | None = None, save_to: Path | None = None,
+            every: int = 1) -> tuple[hetdp.DDP, dict]:
         model = hetdp.DDP(make_model(), "equal" if args.forced else "adaptive", emulation=emulation)
         loader = model.allocate(DataLoader(data, batch_size=GLOBAL_BATCH // 4,
                                            sampler=DistributedSampler(data, seed=3)))
@@ -110,18 +121,19 @@ def main() -> None:
             ckpt = model.checkpointer(resume_from or save_to, optimizer, every=SAVED_AT if save_to else 10**6)
             ckpt.resume()
         record = train(model, loader, optimizer, range(ckpt.epoch if ckpt else 0, EPOCHS), forced,
-                       ckpt if save_to else None)
+                       ckpt if save_to else None, every)
         record["reports"] = [{"sat_out": report.sat_out, "diagnosis": report.diagnosis(), "shares": report.shares}
                              for report in model.epoch_reports]
         return model, record
 
-    runs = [(name, make_wide_model, FORCED if args.forced else None, None, args.forced)]
+    runs = [(name, make_wide_model, FORCED if args.forced else None, None, args.forced, 1)]
     if args.forced:
-        runs += [("resumed", make_wide_model, FORCED, args.out / "resume", False),
-                 ("batchnorm", make_batchnorm_model, BATCHNORM_FORCED, None, False)]
-    for label, make_model, forced, resume_from, saves in runs:
+        runs += [("resumed", make_wide_model, FORCED, args.out / "resume", False, 1),
+                 ("batchnorm", make_batchnorm_model, BATCHNORM_FORCED, None, False, 1),
+                 ("accumulated", make_wide_model, FORCED, None, False, ACCUMULATE)]
+    for label, make_model, forced, resume_from, saves, every in runs:
         dist.barrier()
-        model, record = run(make_model, forced, resume_from, args.out / "ckpt" if saves else None)
+        model, record = run(make_model, forced, resume_from, args.out / "ckpt" if saves else None, every)
         (args.out / f"{label}_{rank}.json").write_text(json.dumps(record))
         torch.save(model.module.state_dict(), args.out / f"{label}_{rank}.pt")
         model.close()
