@@ -18,8 +18,9 @@ from dropin_worker import Pairs  # noqa: E402
 from sitout_worker import ACCUMULATE, EPOCHS, GLOBAL_BATCH, SAVED_AT, SIZE, make_wide_model  # noqa: E402
 
 RANKS = 4
-CHANGE_AT = 12
-"""The step from which the two fast ranks run at the slow ones' speed."""
+CHANGE_AT = 22
+"""The step from which the two fast ranks run at the slow ones' speed: the first two epochs (10 steps each) end
+before it, so one of their reports tells why the slow ranks sat out, however long the first decisions took."""
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,9 @@ def test_every_member_starts_each_step_with_the_current_model_a_rejoining_rank_i
 @pytest.mark.serial  # who sits out, and when a rank rejoins, follow measured times
 def test_the_epoch_reports_say_which_ranks_sat_out_and_why(out):
     reports = load(out)[0]["reports"]
-    first = reports[0]
-    assert {"2", "3"} <= set(first["sat_out"]), first  # JSON keys
+    # How many of the first epoch's 10 steps the first decisions take follows measured times (CHANGE_AT).
+    first = next((report for report in reports if report["sat_out"]), reports[0])
+    assert {"2", "3"} <= set(first["sat_out"]), reports  # JSON keys
     assert "sat out" in first["diagnosis"] and "exchange adds" in first["diagnosis"], first["diagnosis"]
     assert reports[-1]["sat_out"] == {}, reports[-1]
 
