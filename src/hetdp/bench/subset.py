@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from hetdp.bench.allocation import steady_epoch_s
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
+from hetdp.cluster.probe import median_batch_s
 from hetdp.datasets import Split, load_dataset
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
@@ -206,13 +206,7 @@ def calibrated_cost_ms(module: nn.Module, split: Split, speed: float, samples: i
     seconds = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
         inputs, targets = split.train[:samples]
-        times = []
-        for _ in range(trials):
-            started = time.perf_counter()
-            nn.functional.cross_entropy(module(inputs), targets).backward()
-            times.append(time.perf_counter() - started)
-        module.zero_grad(set_to_none=True)
-        seconds[0] = statistics.median(times)
+        seconds[0] = median_batch_s(module, inputs, targets, nn.functional.cross_entropy, repeats=trials, warmup=0)
     dist.broadcast(seconds, 0)
     return 1000.0 * HEADROOM * float(seconds) * speed / samples
 

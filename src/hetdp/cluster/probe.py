@@ -8,6 +8,7 @@ alpha_0i. The result is a :class:`~hetdp.cluster.spec.ClusterSpec` that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -206,30 +207,39 @@ def _measure_self(
     loss_fn: LossFn,
 ) -> Measured:
     """This rank's batch time (median, forward and backward, emulation applied) and memory figures."""
-    device = inputs.device
-
-    def batch() -> None:
-        model.zero_grad(set_to_none=False)
-        loss_fn(model(inputs), targets).backward()
-        synchronize(device)
-
-    for _ in range(config.warmup):
-        batch()
-    times = []
-    for _ in range(config.repeats):
-        started = time.perf_counter()
-        with emulation.compute(rank, len(inputs)):
-            batch()
-        times.append(time.perf_counter() - started)
+    batch_time_s = median_batch_s(model, inputs, targets, loss_fn, repeats=config.repeats, warmup=config.warmup,
+                                  around=lambda: emulation.compute(rank, len(inputs)))
     memory_mb, fixed_mb, activation_mb = _memory(model, inputs, targets, loss_fn)
-    kind = "cuda" if device.type == "cuda" else "cpu"
+    kind = "cuda" if inputs.device.type == "cuda" else "cpu"
     return Measured(
         name=f"rank{rank}-{kind}",
-        batch_time_s=statistics.median(times),
+        batch_time_s=batch_time_s,
         memory_mb=memory_mb,
         fixed_memory_mb=fixed_mb,
         activation_mb_per_sample=activation_mb,
     )
+
+
+def median_batch_s(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, repeats: int,
+                   warmup: int, around: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+                   ) -> float:
+    """Median seconds of ``repeats`` forward and backward passes of ``model`` on one batch, each timed inside
+    ``around()`` (an emulation's pacing, say), after ``warmup`` untimed ones; the gradients are zeroed before each."""
+
+    def batch() -> None:
+        model.zero_grad(set_to_none=False)
+        loss_fn(model(inputs), targets).backward()
+        synchronize(inputs.device)
+
+    for _ in range(warmup):
+        batch()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with around():
+            batch()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def _memory(

@@ -88,10 +88,9 @@ class SitOut:
         would lack its earlier steps' samples."""
         return tuple(sorted({*self.members_at(step), *holding}))
 
-    def route(self, step: int, holding: Sequence[int] = ()) -> Route:
-        """Where this rank's gradient goes in ``step`` (the whole group's route while everyone takes part); see
-        ``taking_part`` for ``holding``."""
-        members = self.taking_part(step, holding)
+    def route(self, members: tuple[int, ...]) -> Route:
+        """Where this rank's gradient goes in a step whose exchange ``members`` take part in (``taking_part``): the
+        whole group's route while everyone does."""
         if len(members) < self.world_size:
             self.apart = True
         if self.rank not in members:
@@ -434,8 +433,8 @@ class SitOutSeam:
         self.alone = False
         """Whether this rank is the open step's only member while others sit out: it has nothing to exchange."""
         self._lone = Unexchanged(model._hook)
-        self._holding: Sequence[int] = ()
-        """The ranks that took part in the open step (``route``): in the next one too if it closes a window."""
+        self._holding: tuple[int, ...] = ()
+        """The ranks that take part in the open step (``route``): in the next one too if it closes a window."""
         self._syncs_buffers = _buffer_sync(model, None)
         stand_in.add(model.module)
         sitting.exchanges.append(weakref.ref(model.synchronizer))
@@ -446,8 +445,8 @@ class SitOutSeam:
         accumulation = model._steps.accumulation
         # Every rank runs the same loop, so the ranks agree on the window and on who holds part of it.
         holding = self._holding if accumulation is not None and accumulation.waiting else ()
-        route = self.sitting.route(ticket.step, holding)
         self._holding = self.sitting.taking_part(ticket.step, holding)
+        route = self.sitting.route(self._holding)
         everyone = route.world_size == model.world_size
         if route.group is not None:  # a follower exchanges over its own group
             route = Route(model._group, route.rank, route.world_size, None if everyone else route.peers)
