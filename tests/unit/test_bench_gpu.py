@@ -20,12 +20,15 @@ def test_the_table_gives_the_overhead_and_every_pairing_against_the_gpu_alone():
             for pairing in gpu.PAIRINGS}
     mixed = {"runs": {name: {**runs, "gpu_alone": {"epoch_s": [3.0, 1.0, 1.0]}} for name in gpu.MODELS},
              "parameters": {name: 1000 for name in gpu.MODELS}}
-    result = gpu.summarize(overhead, mixed)
+    paths = {"gloo": {"devices": ["cuda", "cpu", "cpu", "cpu"], "runs": {"allreduce": {"ok": True},
+                                                                         "solo": {"ok": False}}}}
+    result = gpu.summarize(overhead, mixed, paths)
     assert result["overhead"]["overhead"] == pytest.approx(0.02)
     figures = result["mixed"]["mlp (communication-heavy)"]
     assert figures["adaptive"]["vs_gpu_alone"] == 0.5 and figures["gpu_alone_epoch_s"] == 1.0
     text = gpu.render(result)
     assert "NVIDIA H200" in text and "overhead +2.0%" in text and "GPU alone s" in text
+    assert "paths checked on devices cuda,cpu,cpu,cpu over gloo: allreduce ok; solo FAILED" in text
 
 
 def test_the_resnet_is_resnet_18_at_cifar_size():

@@ -1,14 +1,18 @@
-"""The drop-in on a real GPU: its overhead against torch DDP, and one GPU beside three CPU ranks.
+"""The drop-in on a real GPU: its overhead against torch DDP, one GPU beside three CPU ranks, and every path checked.
 
-Two launches, at most 8 minutes on one GPU and 16 cores:
+Four launches, at most 8 minutes on one GPU and 16 cores:
 
 * overhead: one rank on the GPU (NCCL), a CIFAR-sized ResNet-18 under bf16 autocast
-  and channels_last, batch 256; torch DDP and ``hetdp.DDP`` alternate epochs on the
-  same data, and the figure is the drop-in's samples/s against torch's.
+  and channels_last, batch 256, the loader's workers enough to keep the GPU busy;
+  torch DDP and ``hetdp.DDP`` alternate epochs on the same data, and the figure is
+  the drop-in's samples/s against torch's. With ``--profile DIR``, one more epoch
+  of each runs under torch.profiler, and DIR gets each one's table of host time.
 * mixed: rank 0 on the GPU, ranks 1-3 on the CPU (4 threads each) over gloo, global
   batch 512, on a communication-heavy MLP (1.8M parameters) and a compute-heavy
   CNN; torch DDP (equal shares), hetdp equal, adaptive, adaptive + local:8, and the
   GPU alone (a plain loop on rank 0 on the same global batches).
+* paths: every synchronization on the GPU beside three CPU ranks (gloo), and on
+  the GPU alone (NCCL), checked as ``gpu_paths`` says.
 
 Without a GPU it says so in one line and exits 2. Run as a module under torchrun it
 is the worker; imported, it is the benchmark.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -31,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from hetdp.bench import gpu_paths
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
@@ -39,14 +45,17 @@ from hetdp.report import format_table
 from hetdp.runtime import init_distributed, synchronize
 from hetdp.train import ddp as hetdp_ddp
 
-OVERHEAD_SAMPLES, OVERHEAD_BATCH = 12_800, 256
+OVERHEAD_SAMPLES, OVERHEAD_BATCH, OVERHEAD_WORKERS = 12_800, 256, 6
 MIXED_SAMPLES, MIXED_BATCH = 8_192, 512
 CPU_THREADS = 4
 PAIRINGS = ("torch_ddp", "equal", "adaptive", "adaptive+local:8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, help="epochs per run (default 4, quick 3; the first is not timed)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default 4, quick 3; the first is not timed); "
+                                                   "the overhead runs twice as many, and two more")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="profile one more overhead epoch of each under torch.profiler; write the tables to DIR")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,14 +66,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if epochs < 2:
         raise ConfigError(f"--epochs must be >= 2 (the first is not timed), got {epochs}")
     common = ["--epochs", epochs, "--seed", args.seed]
-    overhead = launch_workers("hetdp.bench.gpu", 1, ["--part", "overhead", *common], total=2 * epochs,
-                              description="overhead epochs", unit="epoch")
+    profile = ["--profile", args.profile.resolve()] if args.profile else []
+    overhead = launch_workers("hetdp.bench.gpu", 1, ["--part", "overhead", *common, *profile],
+                              total=2 * (2 * epochs + 2), description="overhead epochs", unit="epoch",
+                              on_row=_print_row)
     mixed = launch_workers("hetdp.bench.gpu", 4, ["--part", "mixed", *common],
-                           total=2 * (len(PAIRINGS) + 1) * epochs, description="mixed epochs", unit="epoch")
-    return summarize(overhead, mixed)
+                           total=2 * (len(PAIRINGS) + 1) * epochs, description="mixed epochs", unit="epoch",
+                           on_row=_print_row)
+    paths = {backend: launch_workers("hetdp.bench.gpu_paths", ranks, ["--backend", backend],
+                                     total=len(gpu_paths.runs_for(ranks)), description=f"paths over {backend}",
+                                     unit="path", on_row=_print_row)
+             for backend, ranks in (("gloo", 4), ("nccl", 1))}
+    return summarize(overhead, mixed, paths)
 
 
-def summarize(overhead: dict[str, Any], mixed: dict[str, Any]) -> dict[str, Any]:
+def _print_row(row: dict[str, Any]) -> None:
+    """Each figure as it is measured: a run cut short still shows how far it got."""
+    print(json.dumps(row), flush=True)
+
+
+def summarize(overhead: dict[str, Any], mixed: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     """The figures from the workers' per-epoch seconds (the first epoch of each run is warm-up)."""
     torch_sps = OVERHEAD_SAMPLES / statistics.median(overhead["torch_ddp"][1:])
     hetdp_sps = OVERHEAD_SAMPLES / statistics.median(overhead["hetdp"][1:])
@@ -79,7 +100,7 @@ def summarize(overhead: dict[str, Any], mixed: dict[str, Any]) -> dict[str, Any]
     return {"device": overhead["device"], "torch": torch.__version__,
             "overhead": {"torch_ddp_samples_s": torch_sps, "hetdp_samples_s": hetdp_sps,
                          "overhead": torch_sps / hetdp_sps - 1.0, "epoch_s": overhead},
-            "mixed": models, "global_batch": MIXED_BATCH, "cpu_threads": CPU_THREADS}
+            "mixed": models, "global_batch": MIXED_BATCH, "cpu_threads": CPU_THREADS, "paths": paths}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -98,6 +119,9 @@ def render(result: dict[str, Any]) -> str:
         rows.append(row)
     lines.append(format_table(rows, title=f"GPU + 3 CPU ranks ({result['cpu_threads']} threads each), gloo, global "
                                           f"batch {result['global_batch']}: seconds per epoch"))
+    for backend, checked in result["paths"].items():
+        verdicts = [f"{name} {'ok' if run['ok'] else 'FAILED'}" for name, run in checked["runs"].items()]
+        lines.append(f"paths checked on devices {','.join(checked['devices'])} over {backend}: {'; '.join(verdicts)}")
     return "\n".join(lines)
 
 
@@ -172,11 +196,12 @@ def _epoch(model: nn.Module, loader: Any, optimizer: torch.optim.Optimizer, devi
 def _overhead(args: argparse.Namespace, progress: EventWriter) -> dict[str, Any]:
     """torch DDP and hetdp.DDP on one GPU, alternate epochs on the same loader settings."""
     device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cudnn.benchmark = True
     data = _images(OVERHEAD_SAMPLES, args.seed)
 
     def loader() -> DataLoader:
         return DataLoader(data, batch_size=OVERHEAD_BATCH, sampler=DistributedSampler(data, seed=args.seed),
-                          num_workers=2, pin_memory=True, persistent_workers=True)
+                          num_workers=OVERHEAD_WORKERS, pin_memory=True, persistent_workers=True)
 
     def network() -> nn.Module:
         torch.manual_seed(args.seed)
@@ -188,13 +213,36 @@ def _overhead(args: argparse.Namespace, progress: EventWriter) -> dict[str, Any]
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for name, (model, _) in
                   runs.items()}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for epoch in range(args.epochs):
+    epochs = 2 * args.epochs + 2
+    for epoch in range(epochs):
         for name, (model, data_loader) in runs.items():
             data_loader.sampler.set_epoch(epoch)
             seconds[name].append(_epoch(model, data_loader, optimizers[name], device, bf16=True))
             progress.update(row={"run": name, "epoch": epoch, "epoch_s": seconds[name][-1]})
+    if args.profile is not None:
+        for name, (model, data_loader) in runs.items():
+            data_loader.sampler.set_epoch(epochs)
+            _profile(name, functools.partial(_epoch, model, data_loader, optimizers[name], device, bf16=True),
+                     args.profile)
     ours.close()
     return {**seconds, "device": torch.cuda.get_device_name(device)}
+
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def _profile(name: str, epoch: Any, folder: Path) -> None:
+    """One epoch under torch.profiler: ``DIR/profile_NAME.txt``, its operators by host time, and the host's waits for
+    the device (synchronizes, and copies that may wait) counted in ``DIR/profile_NAME.json``."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        seconds = epoch()
+    averages = profiler.key_averages()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile_{name}.txt").write_text(averages.table(sort_by="cpu_time_total", row_limit=60))
+    waits = {event.key: {"count": event.count, "cpu_us": event.cpu_time_total} for event in averages
+             if event.key in HOST_WAITS}
+    (folder / f"profile_{name}.json").write_text(json.dumps({"epoch_s": seconds, "host_waits": waits}))
 
 
 def _mixed_run(pairing: str, make: Any, data: TensorDataset, device: torch.device, args: argparse.Namespace,
@@ -264,6 +312,7 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--part", choices=("overhead", "mixed"), required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path)
     args = parser.parse_args(argv)
     rank, _ = init_distributed("nccl" if args.part == "overhead" else "gloo")
     progress = EventWriter(enabled=rank == 0)
