@@ -3,9 +3,10 @@ them."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from hetdp.allocate.apportion import apportion, apportion_min_max
@@ -153,6 +154,7 @@ class AdaptiveAllocator:
         for name, values in (("caps", caps), ("chunks", chunks)):
             if values is not None and len(values) != world_size:
                 raise ConfigError(f"{name} gives {len(values)} values for {world_size} ranks")
+        _stdtrit()
         self.total = total
         self.minimum = minimum
         self.smoothing = smoothing
@@ -371,9 +373,15 @@ class AdaptiveAllocator:
                        for points in state.get("points", [[] for _ in self.points])]
 
 
-def _t_quantile(dof: int, probability: float) -> float:
-    """Student's t quantile. scipy is imported here, on a rank's first rebalance: importing it with hetdp (about
-    0.5 s of CPU) would charge every process that imports hetdp, launchers and CLI commands included."""
+@functools.cache
+def _stdtrit() -> Callable[[float, float], Any]:
+    """scipy's Student's t quantile, imported by a process's first allocator, before its loop: importing scipy with
+    hetdp (about 0.5 s of CPU) would charge every launcher and CLI command, and at the first re-plan it stalled a
+    training step (seen on a GPU: the loop stood still for the import)."""
     from scipy.special import stdtrit
 
-    return float(stdtrit(dof, probability))
+    return stdtrit
+
+
+def _t_quantile(dof: int, probability: float) -> float:
+    return float(_stdtrit()(dof, probability))

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overhead = launch_workers("hetdp.bench.gpu", 1, ["--part", "overhead", *common, *profile],
                               total=2 * (2 * epochs + 2), description="overhead epochs", unit="epoch",
                               on_row=_print_row)
-    mixed = launch_workers("hetdp.bench.gpu", 4, ["--part", "mixed", *common],
+    mixed = launch_workers("hetdp.bench.gpu", 4, ["--part", "mixed", *common, *profile],
                            total=2 * (len(PAIRINGS) + 1) * epochs, description="mixed epochs", unit="epoch",
                            on_row=_print_row)
     paths = {backend: launch_workers("hetdp.bench.gpu_paths", ranks, ["--backend", backend],
@@ -264,14 +266,33 @@ def _mixed_run(pairing: str, make: Any, data: TensorDataset, device: torch.devic
     for epoch in range(args.epochs):
         dist.barrier()
         loader.sampler.set_epoch(epoch)
-        seconds.append(_epoch(model, loader, optimizer, device))
+        profiled = (args.profile is not None and dist.get_rank() == 0 and epoch == args.epochs - 1
+                    and pairing != "torch_ddp")
+        with _host_profile(args.profile / f"mixed{make.__name__}_{pairing}.txt") if profiled else (
+                contextlib.nullcontext()):
+            seconds.append(_epoch(model, loader, optimizer, device))
         progress.update(row={"run": pairing, "epoch": epoch, "epoch_s": seconds[-1]})
-    dist.barrier()
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, seconds)
     shares, sat_out = [batch] * dist.get_world_size(), []
     if isinstance(model, hetdp_ddp.DistributedDataParallel):
         shares, sat_out = model.shares, sorted(model.last_epoch.sat_out) if model.last_epoch else []
         model.close()
-    return {"epoch_s": seconds, "shares": shares, "sat_out": sat_out}
+    return {"epoch_s": seconds, "shares": shares, "sat_out": sat_out, "rank_epoch_s": every_rank}
+
+
+@contextlib.contextmanager
+def _host_profile(path: Path) -> Any:
+    """The host's Python time by function (cProfile) over the block, written to ``path``: where a rank's loop goes."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as handle:
+            pstats.Stats(profiler, stream=handle).sort_stats("cumulative").print_stats(60)
 
 
 def _gpu_alone(make: Any, data: TensorDataset, device: torch.device, args: argparse.Namespace,
