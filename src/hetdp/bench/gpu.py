@@ -99,7 +99,7 @@ def summarize(overhead: dict[str, Any], mixed: dict[str, Any], paths: dict[str, 
             seconds = statistics.median(runs[pairing]["epoch_s"][1:])
             models[model][pairing] = {"epoch_s": seconds, "vs_gpu_alone": alone_s / seconds,
                                       "shares": runs[pairing]["shares"], "sat_out": runs[pairing]["sat_out"]}
-    return {"device": overhead["device"], "torch": torch.__version__,
+    return {"device": overhead["device"], "torch": torch.__version__, "runs": mixed["runs"],
             "overhead": {"torch_ddp_samples_s": torch_sps, "hetdp_samples_s": hetdp_sps,
                          "overhead": torch_sps / hetdp_sps - 1.0, "epoch_s": overhead},
             "mixed": models, "global_batch": MIXED_BATCH, "cpu_threads": CPU_THREADS, "paths": paths}
@@ -266,12 +266,14 @@ def _mixed_run(pairing: str, make: Any, data: TensorDataset, device: torch.devic
     for epoch in range(args.epochs):
         dist.barrier()
         loader.sampler.set_epoch(epoch)
-        profiled = (args.profile is not None and dist.get_rank() == 0 and epoch == args.epochs - 1
-                    and pairing != "torch_ddp")
-        with _host_profile(args.profile / f"mixed{make.__name__}_{pairing}.txt") if profiled else (
-                contextlib.nullcontext()):
-            seconds.append(_epoch(model, loader, optimizer, device))
+        seconds.append(_epoch(model, loader, optimizer, device))
         progress.update(row={"run": pairing, "epoch": epoch, "epoch_s": seconds[-1]})
+    if args.profile is not None and pairing != "torch_ddp":  # one more epoch, not timed: rank 0 profiles it
+        dist.barrier()
+        loader.sampler.set_epoch(args.epochs)
+        with (_host_profile(args.profile / f"mixed{make.__name__}_{pairing}.txt") if dist.get_rank() == 0
+              else contextlib.nullcontext()):
+            _epoch(model, loader, optimizer, device)
     every_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, seconds)
     shares, sat_out = [batch] * dist.get_world_size(), []

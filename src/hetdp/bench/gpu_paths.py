@@ -7,7 +7,8 @@ through the drop-in for two epochs, with a stand-in step (the epoch's last step 
 fewer samples than ranks), a step checkpoint, and a resume from it, and checks what
 must hold on any devices:
 
-* allreduce trains exactly as one process on the same global batches (to float tolerance);
+* allreduce trains exactly as one process on the same global batches (to float tolerance), also while
+  every rank but the GPU's sits out and after they rejoin (memberships forced, as a re-plan would set them);
 * every synchronization ends with one finite replica on every rank (the epoch's meeting);
 * the resumed model is the saved one.
 
@@ -58,8 +59,21 @@ def make_wide_model(seed: int) -> nn.Module:
 
 
 RUNS = {**{sync: (sync, make_model, {}) for sync in SYNCS},
-        "allreduce, buckets of 1 MiB": ("allreduce", make_wide_model, {"bucket_cap_mb": 1})}
+        "allreduce, buckets of 1 MiB": ("allreduce", make_wide_model, {"bucket_cap_mb": 1}),
+        "allreduce, sit out and rejoin": ("allreduce", make_model, {})}
 """Name: (synchronization, model, torch DDP options)."""
+SIT_OUT_AT, REJOIN_AT = 2, 5
+"""The sit-out run: from global step 2 rank 0 computes every sample and the others sit out; from step 5 (the
+second epoch) all rejoin, brought current with the optimizer's state."""
+
+
+def _forced_shares(step: int, world_size: int) -> tuple[int, list[int]] | None:
+    """The sit-out run's re-plan made at loop step ``step``, if one: (first step, shares)."""
+    if step == SIT_OUT_AT - 1:
+        return SIT_OUT_AT, [GLOBAL_BATCH] + [0] * (world_size - 1)
+    if step == REJOIN_AT - 1:
+        return REJOIN_AT, [GLOBAL_BATCH // world_size] * world_size
+    return None
 
 
 def runs_for(world_size: int) -> dict[str, tuple[str, Any, dict[str, Any]]]:
@@ -107,17 +121,26 @@ def _loader(model: hetdp.DDP, data: TensorDataset) -> Any:
     return model.allocate(DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=SEED)))
 
 
-def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device, folder: Path) -> dict[str, Any]:
-    """Train, save, resume; this rank's final and resumed parameters, and whether any step stood in."""
+def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device, folder: Path, *,
+            sit_out: bool = False) -> dict[str, Any]:
+    """Train, save, resume; this rank's final and resumed parameters, how many steps it stood in, and the members
+    of each step (``sit_out``: forced by ``_forced_shares``)."""
     data = dataset()
     with _drop_in(make, SEED, sync, device, options) as model:
         loader = _loader(model, data)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model.checkpointer(folder, optimizer, every=4)  # steps 4 and 8: the last save holds the final model
-        stood_in = 0
+        stood_in, members = 0, []
         for epoch in range(EPOCHS):
             loader.sampler.set_epoch(epoch)
             for x, y in loader:
+                forced = _forced_shares(model.steps_done, model.world_size) if sit_out else None
+                if forced is not None:  # what a re-plan that lets ranks sit out does (Planner._plan)
+                    first, shares = forced
+                    model._planner.schedule.append((first, shares))
+                    model._sitting.schedule(first, [rank for rank, share in enumerate(shares) if share])
+                if model._sitting is not None:
+                    members.append(list(model._sitting.members_at(model.steps_done)))
                 stood_in += int(model._open is not None and model._open.ticket.samples == 0)
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
@@ -127,7 +150,7 @@ def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device,
         _loader(again, data)
         resumed = again.checkpointer(folder, torch.optim.SGD(again.parameters(), lr=0.1), every=4).resume()
         restored = flat(again.module)
-    return {"final": final, "restored": restored if resumed else None, "stood_in": stood_in}
+    return {"final": final, "restored": restored if resumed else None, "stood_in": stood_in, "members": members}
 
 
 def check(name: str, make: Any, every_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -139,12 +162,14 @@ def check(name: str, make: Any, every_rank: list[dict[str, Any]]) -> dict[str, A
         "resume_gap": max((float((o["restored"] - finals[0]).abs().max()) if o["restored"] is not None
                            else float("inf")) for o in every_rank),
         "stand_ins": sum(outcome["stood_in"] for outcome in every_rank),
+        "fewest_members": min((len(step) for step in every_rank[0]["members"]), default=len(every_rank)),
     }
     if name.startswith("allreduce"):
         figures["reference_gap"] = float((finals[0] - reference(make)).abs().max())
     figures["ok"] = (figures["finite"] and figures["replica_gap"] <= REPLICA_TOLERANCE
                      and figures["resume_gap"] <= REPLICA_TOLERANCE
-                     and figures.get("reference_gap", 0.0) <= REFERENCE_TOLERANCE)
+                     and figures.get("reference_gap", 0.0) <= REFERENCE_TOLERANCE
+                     and ("sit out" not in name or figures["fewest_members"] == 1))
     return figures
 
 
@@ -164,7 +189,8 @@ def _worker(argv: list[str]) -> None:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
             try:
-                outcome: dict[str, Any] | str = run_one(sync, make, options, device, Path(folder) / name)
+                outcome: dict[str, Any] | str = run_one(sync, make, options, device, Path(folder) / name,
+                                                        sit_out="sit out" in name)
             except Exception as error:  # a path that fails is the finding: report it, try the next
                 outcome = f"{type(error).__name__}: {error}"
         every_rank: list[Any] = [None] * world_size

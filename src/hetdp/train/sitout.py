@@ -151,18 +151,30 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    flat = flat.to(tensors[0].device)  # one copy to a GPU, not one per tensor
     offset = 0
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
 
 
+def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` (of one dtype and device) as one flat tensor on ``device``: joined where they lie, then moved
+    in one copy (one wait for a GPU, not one per tensor)."""
+    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).to(device)
+
+
+def _message_device(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.device:
+    """Where a message of ``tensors`` travels from: the host under gloo (whose point-to-point sends and a group
+    that mixes devices take host memory), else the tensors' device."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else tensors[0].device
+
+
 def _broadcast(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``tensors`` from ``src`` in place, as one message per dtype: a model of many small tensors would
     pay a collective's latency for each."""
     for alike in _by_dtype(tensors):
-        device = alike[0].device
-        flat = torch.cat([tensor.reshape(-1).to(device) for tensor in alike])
+        flat = _flat(alike, _message_device(alike, group))
         dist.broadcast(flat, src, group=group)
         if dist.get_rank() != src:
             _unflatten(flat, alike)
@@ -173,12 +185,11 @@ def _relay(tensors: Sequence[torch.Tensor], order: Sequence[int], rank: int, gro
     """Pass ``tensors`` along ``order`` (ranks of ``group``; the first holds them), one message per dtype, each rank
     sending on what it received; return the first rank's sends, still in flight (the others wait for theirs)."""
     place = order.index(rank)
-    host = dist.get_backend(group) == "gloo"  # gloo sends host memory
     sending = []
     for tag, alike in enumerate(_by_dtype(tensors), start=RELAY_TAG):
-        device = torch.device("cpu") if host else alike[0].device
+        device = _message_device(alike, group)
         if place == 0:
-            flat = torch.cat([tensor.detach().reshape(-1).to(device) for tensor in alike])
+            flat = _flat(alike, device)
         else:
             flat = torch.empty(sum(tensor.numel() for tensor in alike), dtype=alike[0].dtype, device=device)
             wait_for(group.recv([flat], order[place - 1], tag), "receiving the model", timeout_s, group)
