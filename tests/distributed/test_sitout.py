@@ -15,7 +15,8 @@ from hetdp.train.loader import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
-from sitout_worker import ACCUMULATE, EPOCHS, GLOBAL_BATCH, SAVED_AT, SIZE, make_wide_model  # noqa: E402
+from sitout_worker import (  # noqa: E402
+    ACCUMULATE, EPOCHS, GLOBAL_BATCH, RESTORED_MEMBERS, SAVED_AT, SIZE, make_wide_model)
 
 RANKS = 4
 CHANGE_AT = 22
@@ -125,6 +126,16 @@ def test_a_checkpoint_saved_while_a_rank_sits_out_resumes_to_the_one_process_mod
     members = resumed[0]["members"]
     assert len(members) == EPOCHS * SIZE // GLOBAL_BATCH - SAVED_AT and [1, 2] in members, members
     assert_every_rank_ends_with_the_reference(forced, "resumed")
+
+
+def test_ranks_out_in_a_restored_allocation_sit_out_from_the_first_restored_step_and_the_model_stays_exact(forced):
+    # Adaptive allocation resumed from the step-4 checkpoint, whose allocator state says ranks 2 and 3 sat out:
+    # they sit out the first restored step, and every rank still ends with the one process's model.
+    restored = load(forced, "restored")
+    members = restored[0]["members"]
+    assert len(members) == EPOCHS * SIZE // GLOBAL_BATCH - SAVED_AT and members[0] == RESTORED_MEMBERS, members
+    assert all(record["members"] == members for record in restored)  # every rank agrees on every step
+    assert_every_rank_ends_with_the_reference(forced, "restored")
 
 
 def test_batchnorm_buffers_stand_still_on_a_rank_out_and_are_the_keepers_after_each_catch_up(forced):

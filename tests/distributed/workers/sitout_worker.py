@@ -7,10 +7,13 @@ members and a checksum of the parameters it starts the step with, and its final
 parameters.
 
 With ``--forced`` the memberships are set by hand (``FORCED``), and the same
-launch goes on to three more runs: one resumed from the step checkpoint saved while
+launch goes on to four more runs: one resumed from the step checkpoint saved while
 rank 2 sat out, one of a BatchNorm model, whose buffers every rank records
-after each step and each epoch, and one that accumulates ``ACCUMULATE`` batches
-per optimizer step under ``no_sync``, across the forced membership changes.
+after each step and each epoch, one that accumulates ``ACCUMULATE`` batches
+per optimizer step under ``no_sync``, across the forced membership changes, and one
+of adaptive allocation resumed from that checkpoint with its allocator's state
+saying that ranks 2 and 3 sit out (``RESTORED_MEMBERS``), as a re-plan would have
+left it: they are out from the first restored step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +68,21 @@ ACCUMULATE = 2
 steps 4 and 5: ranks 0 and 3 leave the exchange with the gradient of step 4 still on them, and rank 2 rejoins."""
 SAVED_AT = 4
 """--forced: the step count of the checkpoint the resumed run starts from (rank 2 sits out steps 2 to 4)."""
+RESTORED_MEMBERS = [0, 1]
+"""--forced, the restored run: the members its checkpoint's allocator state holds (ranks 2 and 3 sat out)."""
+
+
+def restored_out(checkpoint: Path, folder: Path, allocator: Any) -> None:
+    """Copy ``checkpoint`` (the forced run's, saved by equal allocation) into ``folder`` with the state of the
+    adaptive ``allocator`` set as a re-plan that let ranks 2 and 3 sit out would have saved it."""
+    state = torch.load(checkpoint, weights_only=False)
+    saved = allocator.state_dict()
+    shares = [GLOBAL_BATCH // len(RESTORED_MEMBERS) if rank in RESTORED_MEMBERS else 0
+              for rank in range(len(saved["shares"]))]
+    state["hetdp"]["allocator"] = {**saved, "shares": shares, "members": RESTORED_MEMBERS, "adaptive": None,
+                                   "sat_out": {rank: "restored" for rank, share in enumerate(shares) if not share}}
+    folder.mkdir()
+    torch.save(state, folder / checkpoint.name)
 
 
 def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | None, ckpt=None, every: int = 1
@@ -111,12 +130,17 @@ def main() -> None:
     name = "forced" if args.forced else "sitout"
 
     def run(make_model, forced: dict | None, resume_from: Path | None = None, save_to: Path | None = None,
-            every: int = 1) -> tuple[hetdp.DDP, dict]:
-        model = hetdp.DDP(make_model(), "equal" if args.forced else "adaptive", emulation=emulation)
+            every: int = 1, allocation: str | None = None) -> tuple[hetdp.DDP, dict]:
+        allocation = allocation or ("equal" if args.forced else "adaptive")
+        model = hetdp.DDP(make_model(), allocation, emulation=emulation)
         loader = model.allocate(DataLoader(data, batch_size=GLOBAL_BATCH // 4,
                                            sampler=DistributedSampler(data, seed=3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ckpt = None
+        if allocation == "adaptive" and resume_from is not None and rank == 0:
+            (saved,) = (args.out / "resume").iterdir()
+            restored_out(saved, resume_from, model.allocator)
+        dist.barrier()
         if resume_from is not None or save_to is not None:
             ckpt = model.checkpointer(resume_from or save_to, optimizer, every=SAVED_AT if save_to else 10**6)
             ckpt.resume()
@@ -126,14 +150,16 @@ def main() -> None:
                              for report in model.epoch_reports]
         return model, record
 
-    runs = [(name, make_wide_model, FORCED if args.forced else None, None, args.forced, 1)]
+    runs = [(name, make_wide_model, FORCED if args.forced else None, None, args.forced, 1, None)]
     if args.forced:
-        runs += [("resumed", make_wide_model, FORCED, args.out / "resume", False, 1),
-                 ("batchnorm", make_batchnorm_model, BATCHNORM_FORCED, None, False, 1),
-                 ("accumulated", make_wide_model, FORCED, None, False, ACCUMULATE)]
-    for label, make_model, forced, resume_from, saves, every in runs:
+        runs += [("resumed", make_wide_model, FORCED, args.out / "resume", False, 1, None),
+                 ("batchnorm", make_batchnorm_model, BATCHNORM_FORCED, None, False, 1, None),
+                 ("accumulated", make_wide_model, FORCED, None, False, ACCUMULATE, None),
+                 ("restored", make_wide_model, None, args.out / "restored", False, 1, "adaptive")]
+    for label, make_model, forced, resume_from, saves, every, allocation in runs:
         dist.barrier()
-        model, record = run(make_model, forced, resume_from, args.out / "ckpt" if saves else None, every)
+        model, record = run(make_model, forced, resume_from, args.out / "ckpt" if saves else None, every,
+                            allocation)
         (args.out / f"{label}_{rank}.json").write_text(json.dumps(record))
         torch.save(model.module.state_dict(), args.out / f"{label}_{rank}.pt")
         model.close()
