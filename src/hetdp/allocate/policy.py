@@ -250,7 +250,7 @@ class Allocator:
         self.exchange_s: dict[int, float] = {}
         """Seconds of the step's exchange, by the number of members it was measured with."""
         self.adaptive = None
-        if isinstance(policy, Adaptive):
+        if isinstance(policy, Adaptive) and world_size > 1:  # a rank alone has no shares to re-plan
             self.adaptive = self._rule(self.members, weights)
             self.shares = list(self.adaptive.shares)
         else:
