@@ -28,6 +28,7 @@ def test_the_table_gives_the_overhead_and_every_pairing_against_the_gpu_alone():
     assert figures["adaptive"]["vs_gpu_alone"] == 0.5 and figures["gpu_alone_epoch_s"] == 1.0
     text = gpu.render(result)
     assert "NVIDIA H200" in text and "overhead +2.0%" in text and "GPU alone s" in text
+    assert "adaptive vs alone" in text and "0.5" in text
     assert "paths checked on devices cuda,cpu,cpu,cpu over gloo: allreduce ok; solo FAILED" in text
 
 

@@ -116,6 +116,7 @@ def render(result: dict[str, Any]) -> str:
                                "GPU alone s": figures["gpu_alone_epoch_s"]}
         for pairing in PAIRINGS:
             row[f"{pairing} s"] = figures[pairing]["epoch_s"]
+        row["adaptive vs alone"] = figures["adaptive"]["vs_gpu_alone"]
         row["adaptive shares"] = figures["adaptive"]["shares"]
         row["sat out"] = figures["adaptive"]["sat_out"]
         rows.append(row)
