@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -39,16 +40,20 @@ class StepTimes:
         return self._read()[1]
 
     @property
-    def read(self) -> bool:
-        """Whether the figures were worked out (reading them again costs nothing)."""
-        return self._figures is not None
+    def completed(self) -> bool:
+        """Whether reading the figures would not wait for the device: read already, marked on the host, or every
+        event completed (``query`` does not block)."""
+        if self._figures is not None or isinstance(self._start, float):
+            return True
+        marks = [self._start, *(mark for marks in self._backwards for mark in marks)]
+        return all(mark.query() for mark in marks)  # type: ignore[union-attr]
 
     def _read(self) -> tuple[float, float]:
         if self._figures is None and not self._backwards:  # a forward with no backward after it: nothing to time
             self._figures = (0.0, 0.0)
         if self._figures is None:
             start = self._start
-            if isinstance(start, torch.cuda.Event):
+            if not isinstance(start, float):  # CUDA events
                 # elapsed_time needs both events completed. A step's marks lie on more than one stream (a comm
                 # hook's callback records on a stream that waited for its exchange; a second backward may run
                 # elsewhere), so the last recorded need not be the last to complete: wait for each (a completed
@@ -155,22 +160,32 @@ class StepClock:
 
 
 class TimesTotal:
-    """The compute and wait seconds of many steps (an epoch's), summed as they are read: steps are added unread and
-    folded into the sums once read (by a gather), so that an epoch holds on to few unread events."""
+    """The compute and wait seconds of many steps (an epoch's), summed as the steps complete.
+
+    A step's CUDA events are read only once they completed (reading earlier would wait for the device), so steps
+    are added unread, and folded into the sums, oldest first, once more than ``UNREAD`` wait and the oldest have
+    completed. An epoch that gathers no figures until its end (static shares, a rank alone) thus holds a bounded
+    number of steps, and each step costs the same at the epoch's end as at its start.
+    """
+
+    UNREAD = 64
 
     def __init__(self) -> None:
-        self._unread: list[StepTimes] = []
+        self._unread: deque[StepTimes] = deque()
         self._compute_s = self._wait_s = 0.0
 
     def add(self, times: StepTimes) -> None:
         self._unread.append(times)
-        if len(self._unread) > 64:
-            read = [t for t in self._unread if t.read]
-            self._unread = [t for t in self._unread if not t.read]
-            self._compute_s += sum(t.compute_s for t in read)
-            self._wait_s += sum(t.wait_s for t in read)
+        if len(self._unread) > self.UNREAD:
+            while self._unread and self._unread[0].completed:  # stops at the first step still on the device
+                self._fold(self._unread.popleft())
+
+    def _fold(self, times: StepTimes) -> None:
+        self._compute_s += times.compute_s
+        self._wait_s += times.wait_s
 
     def totals(self) -> tuple[float, float]:
-        """(compute seconds, wait seconds) of every step added: reads the unread ones."""
-        return (self._compute_s + sum(t.compute_s for t in self._unread),
-                self._wait_s + sum(t.wait_s for t in self._unread))
+        """(compute seconds, wait seconds) of every step added: reads the unread ones (a gather: waits if it must)."""
+        while self._unread:
+            self._fold(self._unread.popleft())
+        return self._compute_s, self._wait_s

@@ -73,14 +73,54 @@ def test_pacing_waits_for_the_device_once_a_step_to_measure_the_real_compute(fak
 def test_a_step_without_a_backward_reads_as_nothing_and_totals_sum_the_steps(fake_time):
     clock = StepClock(torch.device("cpu"), Emulation().pacer(0, 1))
     total = TimesTotal()
-    for _ in range(70):  # past the point where read steps are folded into the sums
-        times = _step(clock, fake_time, [(0.01, 0.02)])
-        assert not times.read
-        total.add(times)
-        times.compute_s  # noqa: B018  (a gather reads it)
+    for _ in range(70):  # past the point where completed steps are folded into the sums
+        total.add(_step(clock, fake_time, [(0.01, 0.02)]))
     total.add(StepTimes(None, []))
     compute_s, wait_s = total.totals()
     assert compute_s == pytest.approx(0.7) and wait_s == pytest.approx(1.4)
+
+
+def test_an_epoch_that_gathers_nothing_holds_a_bounded_number_of_unread_steps(fake_time):
+    # Static shares or a rank alone gather figures at the epoch's end only: the steps in between must not pile up
+    # (each step would cost more than the one before it, and hold its events).
+    clock = StepClock(torch.device("cpu"), Emulation().pacer(0, 1))
+    total = TimesTotal()
+    for _ in range(1000):
+        total.add(_step(clock, fake_time, [(0.001, 0.002)]))
+        assert len(total._unread) <= TimesTotal.UNREAD
+    compute_s, wait_s = total.totals()
+    assert compute_s == pytest.approx(1.0) and wait_s == pytest.approx(2.0)
+
+
+class FakeEvent:
+    """A CUDA event as the clock uses it, at ``at_s`` on the device's timeline; complete once ``device.now`` passes
+    it. Waiting for it (``synchronize``) before then is the host sync on the step path that must never happen."""
+
+    def __init__(self, device: FakeTime, at_s: float) -> None:
+        self.device, self.at_s = device, at_s
+
+    def query(self) -> bool:
+        return self.device.now >= self.at_s
+
+    def synchronize(self) -> None:
+        assert self.query(), "waited for the device on the step path"
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return (other.at_s - self.at_s) * 1000.0
+
+
+def test_steps_still_on_the_device_are_left_unread_and_folded_in_order_once_complete():
+    device = FakeTime()  # the device's progress: the host queues steps ahead of it
+    total = TimesTotal()
+    for step in range(200):
+        device.now = 10.0 * (step - 100) + 5.0  # the device runs 100 steps behind the host: the last 100 are running
+        start = 10.0 * step
+        ready, synced = FakeEvent(device, start + 3.0), FakeEvent(device, start + 4.0)
+        total.add(StepTimes(FakeEvent(device, start), [[ready, synced]]))
+        assert len(total._unread) <= 100
+    device.now = float("inf")  # the epoch's end: reading the rest may wait
+    compute_s, wait_s = total.totals()
+    assert compute_s == pytest.approx(200 * 3.0) and wait_s == pytest.approx(200 * 1.0)
 
 
 def test_a_step_whose_forward_had_no_backward_reads_as_nothing(fake_time):
