@@ -216,6 +216,9 @@ class Optimizers:
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self._modules = [weakref.ref(module) for module in modules]
         self._found: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        """Optimizers over none of the modules' parameters, each with its number of parameter groups then: the hook
+        is global, and looking again at every step of another model's optimizer would cost that model's loop."""
         self.out = False
         """Whether this rank is out of the current step."""
         handles = [register_optimizer_step_pre_hook(_weakly(self, Optimizers._before_step)),
@@ -225,6 +228,7 @@ class Optimizers:
     def add(self, module: nn.Module) -> None:
         """Find the optimizers of ``module`` too (a model that follows this one's steps)."""
         self._modules.append(weakref.ref(module))
+        self._others.clear()
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.out:
@@ -235,14 +239,17 @@ class Optimizers:
                     parameter.grad = None
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer in self._found:
+        if optimizer in self._found or self._others.get(optimizer) == len(optimizer.param_groups):
             return
         order = {id(p): i for ref in self._modules if (module := ref()) is not None
                  for i, p in enumerate(module.parameters())}
         first = min((order[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in order),
                     default=None)
-        if first is not None:
+        if first is None:
+            self._others[optimizer] = len(optimizer.param_groups)  # looked at again once it gains a group
+        else:
             self._found[optimizer] = first
+            self._others.pop(optimizer, None)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         """The optimizers found, in the order of their first parameter in the modules (the same on every rank)."""
