@@ -7,9 +7,18 @@ Real runs of one and two ranks over gloo, with spies on every collective call an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
+from hetdp.train.loader import StepSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from dropin_worker import Pairs  # noqa: E402
+from hotpath_worker import make_module  # noqa: E402
 
 
 def run(torchrun, folder: Path, ranks: int) -> list[dict]:
@@ -32,6 +41,25 @@ def test_a_rank_alone_runs_no_collective_and_no_device_synchronize_in_its_steps(
     assert record["steps"] > 0 and record["step_figures"] > 0  # it trained, and its figures were gathered
     for phase in ("body", "bookkeeping"):
         assert record["counts"].get(phase, {}) == {}, phase
+
+
+def test_a_rank_alone_keeps_its_gradients_out_of_torch_ddps_buckets_and_trains_as_a_plain_loop(alone):
+    # Nothing to exchange: after the first step (torch DDP records its buckets' order there) autograd leaves each
+    # gradient in .grad, as under no_sync, instead of the reducer copying it into a bucket and back.
+    (record,) = alone
+    assert set(record["bucketed_steps"]) <= {0}, record["bucketed_steps"]
+    model, data = make_module(), Pairs(256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = StepSampler(256, 16, 0, shares_at=lambda _: [16], shuffle=True, seed=3, drop_last=False)
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        order = torch.tensor(sampler.permutation())
+        for index in order.split(16):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
+            optimizer.step()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(torch.tensor(record["state"][name], dtype=tensor.dtype), tensor, msg=name)
 
 
 def test_two_ranks_exchange_each_step_once_and_never_synchronize_the_device(pair):

@@ -449,7 +449,8 @@ class SitOutSeam:
         self.out = False
         """Whether this rank sits out the open step: its forwards run ``stand_in``."""
         self.alone = False
-        """Whether this rank is the open step's only member while others sit out: it has nothing to exchange."""
+        """Whether this rank is the open step's only member (the others sit out, or it runs alone): it has nothing to
+        exchange, so its gradient need not pass through torch DDP's buckets."""
         self._lone = Unexchanged(model._hook)
         self._holding: tuple[int, ...] = ()
         """The ranks that take part in the open step (``route``): in the next one too if it closes a window."""
@@ -473,7 +474,7 @@ class SitOutSeam:
         if self.out and route.world_size:
             self.stand_in.rejoined()
         self.out = route.world_size == 0
-        self.alone = route.world_size == 1 and not everyone
+        self.alone = route.world_size == 1
         if self.optimizers is not None:
             self.optimizers.out = self.out
 

@@ -62,19 +62,26 @@ class Spies:
         return spy
 
 
+def make_module() -> nn.Module:
+    torch.manual_seed(0)
+    # BatchNorm: its buffers are what torch's DDP broadcasts from rank 0 before every forward
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rank, world_size = hetdp.init_distributed()
-    torch.manual_seed(0)
-    # BatchNorm: its buffers are what torch's DDP broadcasts from rank 0 before every forward
-    module = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+    module = make_module()
     spies = Spies()
     spies.install()
     data = Pairs(256)
     # No rank sits out (a loaded machine could make one look slow): every step has the same exchange.
     with hetdp.DDP(module, hetdp.Adaptive(sit_out=False)) as model:
+        bucketed = collections.Counter()  # steps whose gradient went through torch DDP's buckets to the comm hook
+        reduce = model.synchronizer.reduce
+        model.synchronizer.reduce = lambda *args: bucketed.update([model.steps_done]) or reduce(*args)
         loader = model.allocate(DataLoader(data, batch_size=16, sampler=DistributedSampler(data, seed=3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         steps = 0
@@ -90,8 +97,10 @@ def main() -> None:
                 spies.phase = "bookkeeping" if epoch else "first epoch"
             gathers = len(model.step_figures)
         spies.phase = "close"
+        state = {name: tensor.tolist() for name, tensor in model.module.state_dict().items()}
     result = {"rank": rank, "world_size": world_size, "steps": steps, "step_figures": gathers,
-              "counts": {phase: dict(counts) for phase, counts in spies.counts.items()}}
+              "counts": {phase: dict(counts) for phase, counts in spies.counts.items()},
+              "bucketed_steps": sorted(bucketed), "state": state}
     (args.out / f"hotpath_{world_size}_{rank}.json").write_text(json.dumps(result))
 
 
