@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hetdp.allocate.apportion import apportion_min_max
 from hetdp.errors import ConfigError
 
 GAIN = 0.05
@@ -42,11 +43,22 @@ def exchange_s(size: int, measured: Mapping[int, float]) -> float:
     return measured[nearest] * ((size - 1) / size) / ((nearest - 1) / nearest)
 
 
-def step_s(members: Sequence[int], sample_s: Sequence[float], total: int, measured: Mapping[int, float]) -> float:
-    """Predicted seconds of a step of ``total`` samples shared by ``members`` in proportion to their speeds (what the
-    self-adaptive rule converges to), then exchanged among them."""
-    speed = sum(1.0 / sample_s[rank] for rank in members)
-    return total / speed + exchange_s(len(members), measured)
+def compute_s(members: Sequence[int], sample_s: Sequence[float], total: int, minimum: int = 1) -> float:
+    """Predicted seconds of the compute of a step of ``total`` samples shared by ``members`` as the self-adaptive
+    rule shares it: whole samples, at least ``minimum`` each, rounded so that the slowest member is fastest
+    (``apportion_min_max``). A slow member's least share can outlast the others' whole step, which shares in exact
+    proportion to the speeds would hide. Infinite where the members cannot each take ``minimum``."""
+    if total < minimum * len(members):
+        return math.inf
+    shares = apportion_min_max([1.0 / sample_s[rank] for rank in members], total, minimum)
+    return max(share * sample_s[rank] for share, rank in zip(shares, members))
+
+
+def step_s(members: Sequence[int], sample_s: Sequence[float], total: int, measured: Mapping[int, float],
+           minimum: int = 1) -> float:
+    """Predicted seconds of a step of ``total`` samples shared by ``members`` (``compute_s``), then exchanged among
+    them."""
+    return compute_s(members, sample_s, total, minimum) + exchange_s(len(members), measured)
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,8 @@ class Membership:
 
 
 def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
-                   current: Sequence[int], gain: float = GAIN, now_s: float | None = None) -> Membership:
+                   current: Sequence[int], gain: float = GAIN, now_s: float | None = None,
+                   minimum: int = 1) -> Membership:
     """The members that make the step shortest, if they beat ``current`` by ``gain``; else ``current``.
 
     For a given group size the fastest ranks are the best group, so only the
@@ -78,6 +91,7 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         current: today's members.
         gain: the fraction by which a new membership must shorten the step.
         now_s: the measured seconds of today's step (compute and exchange), if known.
+        minimum: the least share of a member.
 
     Raises:
         ConfigError: a speed that is not a positive number, or no current member.
@@ -93,22 +107,24 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     if unknown:
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
-    best = min((known[:k] for k in range(1, len(known) + 1)), key=lambda group: step_s(group, speeds, total, measured))
+    def priced(group: Sequence[int]) -> float:
+        return step_s(group, speeds, total, measured, minimum)
+
+    best = min((known[:k] for k in range(1, len(known) + 1)), key=priced)
     if now_s is None:
-        now_s = step_s(current, speeds, total, measured)
+        now_s = priced(current)
     chosen = sorted(current)
-    if sorted(best) != chosen and step_s(best, speeds, total, measured) <= (1.0 - gain) * now_s:
+    if sorted(best) != chosen and priced(best) <= (1.0 - gain) * now_s:
         chosen = sorted(best)
-    return Membership(tuple(chosen), now_s if chosen == sorted(current) else step_s(chosen, speeds, total, measured),
-                      {rank: _why_out(rank, chosen, speeds, total, measured) for rank in range(len(speeds))
+    return Membership(tuple(chosen), now_s if chosen == sorted(current) else priced(chosen),
+                      {rank: _why_out(rank, chosen, speeds, total, measured, minimum) for rank in range(len(speeds))
                        if rank not in chosen})
 
 
 def _why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,
-             measured: Mapping[int, float]) -> str:
+             measured: Mapping[int, float], minimum: int) -> str:
     """What ``rank`` would save and cost, said in one line."""
-    speed = sum(1.0 / sample_s[r] for r in members)
-    saves_s = total / speed - total / (speed + 1.0 / sample_s[rank])
+    saves_s = compute_s(members, sample_s, total, minimum) - compute_s([*members, rank], sample_s, total, minimum)
     adds_s = exchange_s(len(members) + 1, measured) - exchange_s(len(members), measured)
-    return (f"its {1.0 / sample_s[rank]:.0f} samples/s would save {1000 * saves_s:.1f} ms of compute per step, "
-            f"its exchange adds {1000 * adds_s:.1f} ms")
+    saves = f"would save {1000 * saves_s:.1f} ms of compute per step" if saves_s > 0 else "would save no compute"
+    return f"its {1.0 / sample_s[rank]:.0f} samples/s {saves}, its exchange adds {1000 * adds_s:.1f} ms"

@@ -411,7 +411,8 @@ class Allocator:
             if len(self.members) > 1:
                 self.exchange_s[len(self.members)] = _typical([min(wait[r] for r in self.members) for _, wait in rows])
             now_s = _typical([max(compute[r] + wait[r] for r in self.members) for compute, wait in rows])
-        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, now_s=now_s)
+        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, now_s=now_s,
+                                  minimum=self.minimum)
         self.sat_out = decision.sat_out
         if list(decision.members) == self.members or self.total < self.minimum * len(decision.members):
             return False

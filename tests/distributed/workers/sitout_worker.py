@@ -1,8 +1,9 @@
 """Worker for tests/distributed/test_sitout.py: ranks that do not pay sit out of the exchange, and rejoin.
 
 Two fast ranks beside two slow ones train a model whose exchange costs more than
-the slow ranks' samples save; from ``--change-at`` on the fast ranks slow down to
-the others' speed, so the slow ones pay again. Every rank records, per step, the
+the slow ranks' samples save (a slow rank's one sample outlasts the fast ranks'
+whole step); from ``--change-at`` on the fast ranks slow down to the others'
+speed, so the slow ones pay again. Every rank records, per step, the
 members and a checksum of the parameters it starts the step with, and its final
 parameters.
 
@@ -124,7 +125,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    emulation = Emulation(speeds=(20.0, 20.0, 1.0, 1.0), sample_cost_ms=2.0,
+    emulation = Emulation(speeds=(40.0, 40.0, 1.0, 1.0), sample_cost_ms=4.0,
                           speed_changes=((args.change_at, (1.0, 1.0, 1.0, 1.0)),))
     data = Pairs(SIZE)
     name = "forced" if args.forced else "sitout"

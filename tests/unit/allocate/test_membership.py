@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetdp.allocate.membership import GAIN, choose_members, exchange_s, step_s
+from hetdp.allocate.membership import GAIN, choose_members, compute_s, exchange_s, step_s
 from hetdp.allocate.policy import Adaptive, Allocator, Equal
 from hetdp.errors import ConfigError
 
@@ -69,8 +69,19 @@ def test_a_change_of_members_gains_at_least_the_margin_and_the_decision_is_stabl
 
 
 @given(st.lists(seconds_per_sample, min_size=2, max_size=6))
-def test_with_a_free_exchange_everyone_stays(sample_s):
-    assert choose_members(sample_s, {len(sample_s): 0.0}, 64, current=range(len(sample_s))).sat_out == {}
+def test_with_a_free_exchange_a_rank_sits_out_only_where_its_least_share_outlasts_the_members_step(sample_s):
+    decision = choose_members(sample_s, {len(sample_s): 0.0}, 64, current=range(len(sample_s)))
+    assert decision.sat_out == {} or max(sample_s) > compute_s(decision.members, sample_s, 64)
+
+
+def test_a_slow_rank_whose_one_sample_outlasts_the_fast_ranks_step_sits_out_even_with_a_free_exchange():
+    # Shares in exact proportion would give the slow ranks 0.4 samples each and a 1.56 ms step; whole samples give
+    # them one each, 4 ms, against the fast ranks' 1.6 ms for all 32 samples.
+    sample_s = [0.0001, 0.0001, 0.004, 0.004]
+    assert compute_s([0, 1, 2, 3], sample_s, 32) == pytest.approx(0.004)
+    decision = choose_members(sample_s, {4: 0.0}, 32, current=[0, 1, 2, 3])
+    assert decision.members == (0, 1) and "would save no compute" in decision.sat_out[2]
+    assert choose_members(sample_s, {4: 0.0}, 32, current=[0, 1, 2, 3], minimum=0).members == (0, 1, 2, 3)
 
 
 def _window(allocator: Allocator, sample_s: list[float], exchange_s_: float, steps: int = 2) -> list[int] | None:
