@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
+from hetdp.bench.gpu_paths import force_shares
 from hetdp.cluster.emulate import Emulation
 from hetdp.runtime import init_distributed
 
@@ -61,9 +62,8 @@ def main() -> None:
     weights = hetdp.Static((1.0,) * world_size) if world_size > 1 else "adaptive"
     model = hetdp.DDP(make(widths), weights, "allreduce", emulation=Emulation())
     loader = model.allocate(DataLoader(data, batch_size=batch // world_size, sampler=DistributedSampler(data)))
-    if world_size > 1:  # what a re-plan that lets the others sit out does
-        model._planner.schedule.append((1, [batch] + [0] * (world_size - 1)))
-        model._sitting.schedule(1, [0])
+    if world_size > 1:
+        force_shares(model, 1, [batch] + [0] * (world_size - 1))
     runs = {"hetdp.DDP": (model, loader)}
     if world_size == 1:
         theirs = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data))

@@ -107,6 +107,7 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     if unknown:
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
+
     def priced(group: Sequence[int]) -> float:
         return step_s(group, speeds, total, measured, minimum)
 

@@ -414,7 +414,7 @@ class Allocator:
         decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, now_s=now_s,
                                   minimum=self.minimum)
         self.sat_out = decision.sat_out
-        if list(decision.members) == self.members or self.total < self.minimum * len(decision.members):
+        if list(decision.members) == self.members:
             return False
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves

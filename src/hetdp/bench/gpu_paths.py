@@ -76,6 +76,13 @@ def _forced_shares(step: int, world_size: int) -> tuple[int, list[int]] | None:
     return None
 
 
+def force_shares(model: hetdp.DDP, first: int, shares: list[int]) -> None:
+    """Do what a re-plan that lets ranks sit out does (``Planner._plan``): ``shares`` from step ``first`` on, and
+    the ranks with none out of the exchange."""
+    model._planner.schedule.append((first, shares))
+    model._sitting.schedule(first, [rank for rank, share in enumerate(shares) if share])
+
+
 def runs_for(world_size: int) -> dict[str, tuple[str, Any, dict[str, Any]]]:
     """The runs a group of ``world_size`` ranks can make (a quorum of K needs K ranks)."""
     return {name: run for name, run in RUNS.items()
@@ -135,10 +142,8 @@ def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device,
             loader.sampler.set_epoch(epoch)
             for x, y in loader:
                 forced = _forced_shares(model.steps_done, model.world_size) if sit_out else None
-                if forced is not None:  # what a re-plan that lets ranks sit out does (Planner._plan)
-                    first, shares = forced
-                    model._planner.schedule.append((first, shares))
-                    model._sitting.schedule(first, [rank for rank, share in enumerate(shares) if share])
+                if forced is not None:
+                    force_shares(model, *forced)
                 if model._sitting is not None:
                     members.append(list(model._sitting.members_at(model.steps_done)))
                 stood_in += int(model._open is not None and model._open.ticket.samples == 0)

@@ -81,7 +81,12 @@ def main() -> None:
     with hetdp.DDP(module, hetdp.Adaptive(sit_out=False)) as model:
         bucketed = collections.Counter()  # steps whose gradient went through torch DDP's buckets to the comm hook
         reduce = model.synchronizer.reduce
-        model.synchronizer.reduce = lambda *args: bucketed.update([model.steps_done]) or reduce(*args)
+
+        def counted(*args):
+            bucketed[model.steps_done] += 1
+            return reduce(*args)
+
+        model.synchronizer.reduce = counted
         loader = model.allocate(DataLoader(data, batch_size=16, sampler=DistributedSampler(data, seed=3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         steps = 0

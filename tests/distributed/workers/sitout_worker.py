@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
+from hetdp.bench.gpu_paths import force_shares
 from hetdp.cluster.emulate import Emulation
 
 from dropin_worker import Pairs  # noqa: E402  (the test puts this folder on the path)
@@ -96,9 +97,7 @@ def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | Non
         loader.sampler.set_epoch(epoch)
         for i, batch in enumerate(loader):
             if forced and model.steps_done in forced:
-                first, shares = forced[model.steps_done]
-                model._schedule.append((first, shares))
-                model._sitting.schedule(first, [r for r, share in enumerate(shares) if share])
+                force_shares(model, *forced[model.steps_done])
             record["members"].append(list(model._sitting.members_at(model.steps_done)))
             record["sums"].append(checksum(model.module))
             if i % every == 0:
