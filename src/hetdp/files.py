@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
-    """Call ``write`` on a temporary file beside ``path``, flush it to disk, then rename it over ``path``.
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None],
+                 check: Callable[[Path], None] | None = None) -> Path:
+    """Call ``write`` on a temporary file beside ``path``, flush it to disk, then rename it over ``path``; ``check``
+    (given the temporary file's path) may refuse the file first by raising, which leaves ``path`` as it was.
 
     The file gets the permissions ``open(path, "w")`` would give a new file (0666 less the umask),
     not the owner-only 0600 of a ``tempfile.mkstemp`` file.
@@ -24,6 +26,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if check is not None:
+            check(Path(tmp_name))
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

@@ -19,8 +19,11 @@ from hetdp.allocate.apportion import apportion_min_max
 from hetdp.errors import ConfigError
 
 GAIN = 0.05
-"""A change of membership must shorten the predicted step by at least this fraction: the exchange's time is noisy,
-and a rank that leaves or rejoins costs a catch-up broadcast."""
+"""A change of membership must shorten the predicted step by at least this fraction: a rank that leaves or rejoins
+costs a catch-up broadcast."""
+NOISE_MARGIN = 2.0
+"""A change of membership must also shorten the predicted step by this many standard errors of the measured step:
+a gain inside the noise is no gain, and two groups priced within it would take turns."""
 
 
 def exchange_s(size: int, measured: Mapping[int, float]) -> float:
@@ -61,6 +64,17 @@ def step_s(members: Sequence[int], sample_s: Sequence[float], total: int, measur
     return compute_s(members, sample_s, total, minimum) + exchange_s(len(members), measured)
 
 
+def unmodelled_at(size: int, unmodelled: Mapping[int, float]) -> float:
+    """What a step of ``size`` members takes over the model's price, as a factor: measured at that size (``Allocator``
+    keeps the measured step over the model's price of it as run), else at the nearest measured size (the smaller on a
+    tie), else 1."""
+    if size in unmodelled:
+        return unmodelled[size]
+    if not unmodelled:
+        return 1.0
+    return unmodelled[min(unmodelled, key=lambda k: (abs(k - size), k))]
+
+
 @dataclass(frozen=True)
 class Membership:
     """A decision: the ranks in the exchange, the step it predicts, and why each other rank sits out."""
@@ -73,15 +87,18 @@ class Membership:
 
 
 def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
-                   current: Sequence[int], gain: float = GAIN, now_s: float | None = None,
-                   minimum: int = 1) -> Membership:
-    """The members that make the step shortest, if they beat ``current`` by ``gain``; else ``current``.
+                   current: Sequence[int], gain: float = GAIN, unmodelled: Mapping[int, float] | None = None,
+                   noise: float = 0.0, minimum: int = 1) -> Membership:
+    """The members that make the step shortest, if they beat ``current`` by ``gain`` and by the noise; else
+    ``current``.
 
     For a given group size the fastest ranks are the best group, so only the
     ``P`` groups of the fastest k ranks are priced (ties by rank: a pure,
     deterministic function). While some rank's speed is unknown (None: never measured) the members stay.
-    Today's step is priced by ``now_s`` where measured: the model prices compute and exchange apart, and misses
-    what they cost each other (ranks that share cores or a bus, an exchange that slows the compute beside it).
+    Every group, today's too, is priced the same way: the model (``step_s``), times what steps of its size were
+    measured to take over the model (``unmodelled``: ranks that share cores or a bus, an exchange that slows the
+    compute beside it, the members' jitter). Today's measured step against another group's modelled one would
+    compare two kinds of price: the model's optimism then reads as a gain, and groups take turns.
 
     Args:
         sample_s: each rank's seconds per sample: measured at its last share (a member's, or an absent rank's
@@ -89,8 +106,10 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         measured: seconds of the exchange at each group size it was measured at (see ``exchange_s``).
         total: samples per step (the global batch).
         current: today's members.
-        gain: the fraction by which a new membership must shorten the step.
-        now_s: the measured seconds of today's step (compute and exchange), if known.
+        gain: the least fraction by which a new membership must shorten the step.
+        unmodelled: by group size, the measured step over the model's price of it (see ``unmodelled_at``).
+        noise: the relative standard error of today's measured step: a new membership must shorten the step by
+            ``NOISE_MARGIN`` times it too.
         minimum: the least share of a member.
 
     Raises:
@@ -107,17 +126,16 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     if unknown:
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
+    factors = unmodelled or {}
 
     def priced(group: Sequence[int]) -> float:
-        return step_s(group, speeds, total, measured, minimum)
+        return step_s(group, speeds, total, measured, minimum) * unmodelled_at(len(group), factors)
 
     best = min((known[:k] for k in range(1, len(known) + 1)), key=priced)
-    if now_s is None:
-        now_s = priced(current)
     chosen = sorted(current)
-    if sorted(best) != chosen and priced(best) <= (1.0 - gain) * now_s:
+    if sorted(best) != chosen and priced(best) <= (1.0 - max(gain, NOISE_MARGIN * noise)) * priced(current):
         chosen = sorted(best)
-    return Membership(tuple(chosen), now_s if chosen == sorted(current) else priced(chosen),
+    return Membership(tuple(chosen), priced(chosen),
                       {rank: _why_out(rank, chosen, speeds, total, measured, minimum) for rank in range(len(speeds))
                        if rank not in chosen})
 

@@ -22,6 +22,7 @@ import numpy as np
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.membership import choose_members
+from hetdp.allocate.membership import exchange_s as exchange_at
 from hetdp.allocate.planner import plan
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
@@ -30,6 +31,10 @@ NOISY = 0.1
 """A window whose mean step time is known no better than this (relative standard error) waits for more steps."""
 MAX_WINDOW = 16
 """The longest a noisy window grows, in steps."""
+MEMBERSHIP_STEPS = MAX_WINDOW
+"""Steps a changed membership is measured for before it may change again. A change is decided on a window (two
+steps at first), and a window that short, on a new group, may be noise enough to undo it at once: each change
+costs a catch-up, and groups priced within the noise would take turns."""
 MEETING_WINDOW = 10
 """Under partial and local synchronization, where random stragglers put the ranks out of step, an adaptive
 allocation re-plans on no fewer measured steps after its first decision (``Allocator.out_of_step_window``: the
@@ -249,6 +254,10 @@ class Allocator:
         """Each rank's seconds per sample, as last measured (a rank that sits out keeps its last: it is modelled)."""
         self.exchange_s: dict[int, float] = {}
         """Seconds of the step's exchange, by the number of members it was measured with."""
+        self.unmodelled: dict[int, float] = {}
+        """The measured step over the model's price of it, by the number of members it was measured with."""
+        self._in_membership: int | None = None
+        """Steps measured since the members last changed (None: they never did)."""
         self.adaptive = None
         if isinstance(policy, Adaptive) and world_size > 1:  # a rank alone has no shares to re-plan
             self.adaptive = self._rule(self.members, weights)
@@ -345,6 +354,8 @@ class Allocator:
         exchange's time). A step some member did not time (it ran no forward with gradients) tells nothing of the
         speeds and is left out; a rank that sits out runs stand-ins, and its figures are not read."""
         if self.adaptive is not None and all(compute_s[rank] > 0 for rank in self.members):
+            if self._in_membership is not None:
+                self._in_membership += 1
             self._window.append(list(compute_s))
             self._waits.append(list(wait_s) if wait_s is not None else [])
 
@@ -398,7 +409,10 @@ class Allocator:
         A member's seconds per sample are measured; a rank that sits out keeps the last it showed (its stand-in
         steps time nothing of its device). The exchange is what the last member to finish computing waits: the
         least wait of a step; today's step is the longest compute plus wait of a member; both at their typical
-        (lower-quartile) value over the window.
+        (lower-quartile) value over the window. Today's step over the model's price of it as run (the slowest
+        member's compute, then the exchange) is what steps of today's size take beyond the model
+        (``unmodelled``): every group of that size is priced with it, and the step's spread is the noise a change
+        must beat (``choose_members``).
         """
         if not self.decides_membership:
             return False
@@ -406,19 +420,30 @@ class Allocator:
             if self.shares[rank] > 0:
                 self.sample_s[rank] = seconds / self.shares[rank]
         rows = [(compute, wait) for compute, wait in zip(self._window, self._waits) if wait]
-        now_s = None
+        noise = 0.0
         if rows:
-            if len(self.members) > 1:
-                self.exchange_s[len(self.members)] = _typical([min(wait[r] for r in self.members) for _, wait in rows])
-            now_s = _typical([max(compute[r] + wait[r] for r in self.members) for compute, wait in rows])
-        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, now_s=now_s,
-                                  minimum=self.minimum)
-        self.sat_out = decision.sat_out
+            size = len(self.members)
+            if size > 1:
+                self.exchange_s[size] = _typical([min(wait[r] for r in self.members) for _, wait in rows])
+            steps_s = [max(compute[r] + wait[r] for r in self.members) for compute, wait in rows]
+            now_s = _typical(steps_s)
+            modelled_s = max(typical) + exchange_at(size, self.exchange_s)
+            if now_s > 0 and modelled_s > 0:
+                self.unmodelled[size] = now_s / modelled_s
+                if len(steps_s) > 1:
+                    noise = QUANTILE_ERROR * _spread_below_median(steps_s) / now_s / math.sqrt(len(steps_s))
+        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members,
+                                  unmodelled=self.unmodelled, noise=noise, minimum=self.minimum)
         if list(decision.members) == self.members:
+            self.sat_out = decision.sat_out
             return False
+        if self._in_membership is not None and self._in_membership < MEMBERSHIP_STEPS:
+            return False  # too soon after the last change to tell a gain from noise
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves
+        self.sat_out = decision.sat_out
         self.members = list(decision.members)
+        self._in_membership = 0
         self.adaptive = self._rule(self.members, [1.0 / seconds if seconds else 1.0 for seconds in self.sample_s])
         self.shares = self._full(self.adaptive.shares)
         self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
@@ -440,7 +465,8 @@ class Allocator:
         return {"shares": list(self.shares), "replans": self.replans,
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
                 "members": list(self.members), "sat_out": dict(self.sat_out), "sample_s": list(self.sample_s),
-                "exchange_s": dict(self.exchange_s)}
+                "exchange_s": dict(self.exchange_s), "unmodelled": dict(self.unmodelled),
+                "in_membership": self._in_membership}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.total:
@@ -456,5 +482,7 @@ class Allocator:
         self.sat_out = {int(rank): why for rank, why in state.get("sat_out", {}).items()}
         self.sample_s = list(state.get("sample_s", self.sample_s))
         self.exchange_s = {int(size): float(seconds) for size, seconds in state.get("exchange_s", {}).items()}
+        self.unmodelled = {int(size): float(factor) for size, factor in state.get("unmodelled", {}).items()}
+        self._in_membership = state.get("in_membership")
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])

@@ -161,7 +161,7 @@ def _trial(folder: Path, args: argparse.Namespace, fault: Fault, *, resize: bool
     else:
         outcome = _launch(folder, len(SPEEDS), args, max_restarts=2, killer=killer)
     outcome["lost_steps"] = _lost_steps(outcome["log"])
-    outcome["data_exact"] = _data_exact(outcome["log"])
+    outcome["data_exact"] = data_exact(outcome["log"])
     outcome["named"], outcome["detect_s"] = False, None
     if fault.signal == signal.SIGSTOP:
         signalled = float((folder / "signalled").read_text())
@@ -190,12 +190,25 @@ def _lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+TRAINED, STAND_IN = "trained", "stand-in"
+"""How a step log line says what its batch was: samples the rank trained, or a stand-in that trains nothing (a
+rank that sits out the step, or one with no sample in the epoch's short last step)."""
+
+
+def log_step(log: Any, launch: str, epoch: int, step: int, rank: int, indices: list[int], trained: bool) -> None:
+    """Write one rank's step: ``launch epoch step rank trained|stand-in indices...``."""
+    log.write(f"{launch} {epoch} {step} {rank} {TRAINED if trained else STAND_IN} {' '.join(map(str, indices))}\n")
+    log.flush()
+
+
 def _records(log: Path) -> dict[int, dict[str, list[tuple[int, list[int]]]]]:
-    """Step -> launch -> (epoch, indices) per rank line, in the order written."""
+    """Step -> launch -> (epoch, indices trained) per rank line, in the order written. A stand-in's line counts as
+    the rank's step, with no samples."""
     steps: dict[int, dict[str, list[tuple[int, list[int]]]]] = collections.defaultdict(dict)
     for line in _lines(log):
-        launch, epoch, step, _, *indices = line.split()
-        steps[int(step)].setdefault(launch, []).append((int(epoch), [int(i) for i in indices]))
+        launch, epoch, step, _, kind, *indices = line.split()
+        trained = [int(i) for i in indices] if kind == TRAINED else []
+        steps[int(step)].setdefault(launch, []).append((int(epoch), trained))
     return steps
 
 
@@ -205,14 +218,21 @@ def _lost_steps(log: Path) -> int:
     return max(redone.values(), default=0)
 
 
-def _data_exact(log: Path) -> bool:
-    """Every epoch, as its steps were last run, covers each sample exactly once."""
-    covered: dict[int, list[int]] = collections.defaultdict(list)
+def coverage(log: Path) -> dict[int, collections.Counter[int]]:
+    """Epoch -> how many times each sample was trained, counting every step as the launch that ran it last ran it
+    (stand-ins train nothing)."""
+    covered: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     for by_launch in _records(log).values():
         for epoch, indices in list(by_launch.values())[-1]:
-            covered[epoch].extend(indices)
+            covered[epoch].update(indices)
+    return dict(covered)
+
+
+def data_exact(log: Path) -> bool:
+    """Every epoch, as its steps were last run, trained each sample exactly once: none twice, none missed."""
+    covered = coverage(log)
     return sorted(covered) == list(range(EPOCHS)) and all(
-        sorted(indices) == list(range(DATASET)) for indices in covered.values())
+        sorted(counts) == list(range(DATASET)) and set(counts.values()) == {1} for counts in covered.values())
 
 
 def _gap(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> float:
@@ -239,6 +259,7 @@ def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.chaos")
     parser.add_argument("--folder", type=Path, required=True)
     parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--repeat-a-sample-in-epoch", type=int, help=argparse.SUPPRESS)  # a fault of the data, for tests
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     torch.set_num_threads(1)
@@ -249,6 +270,8 @@ def _worker(argv: list[str]) -> None:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)), "adaptive",
                                     emulation=emulation, step_timeout_s=STEP_TIMEOUT_S)
     loader = model.allocate(DataLoader(_Indexed(), batch_size=4), global_batch=GLOBAL_BATCH, shuffle=True, seed=3)
+    if args.repeat_a_sample_in_epoch is not None:
+        _repeat_a_sample(loader.sampler, args.repeat_a_sample_in_epoch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = model.checkpointer(args.folder / "ckpt", optimizer, every=args.every)
     ckpt.resume()
@@ -261,8 +284,7 @@ def _worker(argv: list[str]) -> None:
                     optimizer.zero_grad()
                     nn.functional.cross_entropy(model(x), y).backward()
                     optimizer.step()
-                    log.write(f"{launch} {epoch} {model.steps_done} {rank} {' '.join(map(str, index.tolist()))}\n")
-                    log.flush()
+                    log_step(log, launch, epoch, model.steps_done, rank, index.tolist(), trained=model.step_samples > 0)
                     if rank == 0 and not stable and model.allocator.stable:
                         stable = True
                         with (args.folder / "stable.log").open("a") as stable_log:
@@ -275,6 +297,20 @@ def _worker(argv: list[str]) -> None:
         torch.save(model.module.state_dict(), args.folder / "params.pt")
     model.close()
     dist.destroy_process_group()
+
+
+def _repeat_a_sample(sampler: Any, epoch: int) -> None:
+    """Make ``epoch``'s order hold its first sample twice and its second never: the worker then trains a sample twice
+    (the fault ``data_exact`` must catch, as a sampler that handed one sample to two ranks would)."""
+    permutation = sampler.permutation
+
+    def repeated() -> list[int]:
+        order = permutation()
+        if sampler.epoch == epoch:
+            order[1] = order[0]
+        return order
+
+    sampler.permutation = repeated
 
 
 if __name__ == "__main__":

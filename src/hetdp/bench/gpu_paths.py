@@ -146,7 +146,7 @@ def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device,
                     force_shares(model, *forced)
                 if model._sitting is not None:
                     members.append(list(model._sitting.members_at(model.steps_done)))
-                stood_in += int(model._open is not None and model._open.ticket.samples == 0)
+                stood_in += int(model.step_samples == 0)
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
                 optimizer.step()

@@ -37,7 +37,7 @@ from hetdp.train.loader import StepTicket
 from hetdp.train.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.train.planning import Planner
 from hetdp.train.sitout import seam
-from hetdp.train.step import OpenStep, StepListener, StepRunner, evaluating, rebuild_buckets, warn_unstepped
+from hetdp.train.step import StepListener, StepRunner, evaluating, rebuild_buckets, warn_unstepped
 from hetdp.train.stepcheckpoint import CheckpointState
 from hetdp.train.tally import Epochs
 
@@ -182,8 +182,10 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         return self._epochs.next
 
     @property
-    def _open(self) -> OpenStep | None:
-        return self._steps.open
+    def step_samples(self) -> int | None:
+        """This rank's samples in the open step (None outside one). 0: its batch is a stand-in that trains nothing
+        (it sits out, or a short last step has none for it); leave it out of samples seen and accuracy."""
+        return None if self._steps.open is None else self._steps.open.ticket.samples
 
     def _first_warning(self, key: str) -> bool:
         """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""

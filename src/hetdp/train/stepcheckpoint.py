@@ -26,7 +26,7 @@ from torch import nn
 
 from hetdp.errors import CheckpointError, ConfigError
 from hetdp.runtime import peer_failures
-from hetdp.train.checkpoint import load_checkpoint, save_checkpoint
+from hetdp.train.checkpoint import RefusedCheckpointError, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from hetdp.train.planning import Planner
@@ -49,25 +49,38 @@ def checkpoint_paths(folder: str | Path) -> list[Path]:
 
 
 def load_newest(folder: str | Path) -> dict[str, Any] | None:
-    """The newest readable checkpoint in ``folder`` (None if none); warns about each damaged one it skips."""
+    """The newest readable checkpoint in ``folder`` (None if none); warns about each damaged one it skips.
+
+    Raises:
+        RefusedCheckpointError: a checkpoint holds objects other than tensors and plain data. It is not skipped:
+            a damaged file is what a crash leaves, but this one was written by something other than hetdp.
+    """
     for path in checkpoint_paths(folder):
         try:
             return load_checkpoint(path)
+        except RefusedCheckpointError:
+            raise
         except CheckpointError as error:
             warnings.warn(f"skipping a damaged step checkpoint, using the previous one: {error}", stacklevel=2)
     return None
 
 
 def random_state() -> dict[str, Any]:
-    """This process's random generators: Python's, NumPy's, torch's and (once initialized) CUDA's."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """This process's random generators: Python's, NumPy's, torch's and (once initialized) CUDA's, as tensors and
+    plain data (what a checkpoint may hold)."""
+    _, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy = {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position), "has_gauss": int(has_gauss),
+             "cached_gaussian": float(cached_gaussian)}
+    return {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
 
 def set_random_state(state: dict[str, Any]) -> None:
     """Restore what ``random_state`` returned."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["position"], numpy["has_gauss"],
+                         numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None:
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -189,12 +202,19 @@ class Checkpointer:
         rank's random state comes back as the loop starts (on another count of ranks, the ranks' draws cannot
         map, and the generators keep the seeds the script gave them).
         """
-        found = [load_newest(self.folder) if self.model.rank == 0 else None]
+        found: list[Any] = [None]
+        if self.model.rank == 0:
+            try:
+                found[0] = load_newest(self.folder)
+            except CheckpointError as error:  # every rank raises it, none waits for rank 0 until its timeout
+                found[0] = error
         if self.model.world_size > 1:
             with peer_failures("broadcasting the checkpoint to resume", self.model.step_timeout_s,
                                self.model.process_group):
                 dist.broadcast_object_list(found, group=self.model.process_group, group_src=0)
         state = found[0]
+        if isinstance(state, CheckpointError):
+            raise state
         if state is None:
             return False
         self.model.module.load_state_dict(state["module"])

@@ -68,7 +68,7 @@ def train_cost_balanced(dataset: Sequences, mean_over: str, loss_fn, out: Path) 
             optimizer.zero_grad()
             loss_fn(model, batch).backward()
             optimizer.step()
-            ticket = model._open.ticket
+            ticket = model._steps.open.ticket
             blocks.append(list(ticket.block))
             costs.append(list(ticket.cost))
         if model.rank == 0:
