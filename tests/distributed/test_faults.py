@@ -115,3 +115,28 @@ def test_a_config_error_is_not_retried(tmp_path):
         run_local(script, 2, capture=True, timeout_s=120, report_errors=True, max_restarts=2,
                   on_restart=lambda attempt, code: restarts.append(attempt))
     assert restarts == []
+
+
+class RunsCode:
+    """Unpickled, it would run a shell command: what a crafted checkpoint holds."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_crafted_to_run_code_stops_every_rank_with_one_error_and_runs_nothing(tmp_path):
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    folder.mkdir()
+    torch.save({"module": RunsCode(marker)}, folder / "step-00000099.pt")
+    with pytest.raises(HetDPError, match=r"refused checkpoint .*step-00000099\.pt") as caught:
+        run_local(WORKERS / "resume_worker.py", 2,
+                  ["--ckpt", str(folder), "--record", str(tmp_path / "l"), "--out", str(tmp_path / "o")],
+                  capture=True, timeout_s=120, report_errors=True)
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()
+
