@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
-from hetdp.datasets import load_digits
-from hetdp.models import ConvNet, accuracy
+from hetdp.bench.datasets import load_digits
+from hetdp.bench.models import ConvNet, accuracy
 
 
 def main() -> None:

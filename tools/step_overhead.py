@@ -21,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
-from hetdp.bench.gpu_paths import force_shares
 from hetdp.cluster.emulate import Emulation
 from hetdp.runtime import init_distributed
 
@@ -63,7 +62,7 @@ def main() -> None:
     model = hetdp.DDP(make(widths), weights, "allreduce", emulation=Emulation())
     loader = model.allocate(DataLoader(data, batch_size=batch // world_size, sampler=DistributedSampler(data)))
     if world_size > 1:
-        force_shares(model, 1, [batch] + [0] * (world_size - 1))
+        model.set_shares([batch] + [0] * (world_size - 1), at_step=1)
     runs = {"hetdp.DDP": (model, loader)}
     if world_size == 1:
         theirs = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data))

@@ -16,18 +16,18 @@ from hetdp.allocate.minmax import min_max_shares
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.planner import DevicePlan, Plan, plan
 from hetdp.allocate.policy import Adaptive, Equal, Planned, Static
+from hetdp.checkpoint.checkpointer import Checkpointer
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
+from hetdp.data.distribute import distribute
+from hetdp.ddp.model import DDP, DistributedDataParallel
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
+from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
-from hetdp.train.ddp import DDP, DistributedDataParallel
-from hetdp.train.distribute import distribute
-from hetdp.train.metrics import EpochReport, MetricsConfig, StepFigures
-from hetdp.train.stepcheckpoint import Checkpointer
 
 __all__ = [
     "Adaptive",

@@ -399,7 +399,7 @@ def _warn_if_settings_unused() -> None:
     chosen = [name for name, is_set in (("emulation", Emulation.from_env().active),
                                         ("--allocation", bool(os.environ.get(ENV_ALLOCATION))),
                                         ("--sync", bool(os.environ.get(ENV_SYNC)))) if is_set]
-    ddp = sys.modules.get("hetdp.train.ddp")
+    ddp = sys.modules.get("hetdp.ddp.model")
     if chosen and (ddp is None or ddp.DistributedDataParallel.steps_in_process == 0):
         print(f"hetdp: warning: the {' and '.join(chosen)} settings did nothing: no step ran through hetdp.DDP's "
               "allocated loader (a plain torch DDP script? model.allocate(loader)'s result not iterated?)",

@@ -100,6 +100,16 @@ def new_step_group(timeout_s: float) -> dist.ProcessGroup:
     return dist.new_group(timeout=datetime.timedelta(seconds=group_timeout_s(backend, timeout_s)))
 
 
+def host_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Collective over ``group``: ``group`` itself under gloo, else a gloo group of the same ranks, for small exchanges
+    that must not wait on a device (step figures: under NCCL their gather would queue behind the step's kernels, and
+    reading it back would wait for them)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _import_dynamo() -> None:
     """Import torch._dynamo before any process group exists, so that ``destroy_process_group`` can free them.
 

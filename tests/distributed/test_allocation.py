@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hetdp import apportion
-from hetdp.train.loader import StepSampler
+from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from allocation_worker import WIDE, make_dataset, make_model  # noqa: E402

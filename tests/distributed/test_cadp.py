@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from hetdp.data.distribute import partition
+from hetdp.data.owndata import epoch_order
 from hetdp.sync.averaging import merge_weights
-from hetdp.train.distribute import partition
-from hetdp.train.owndata import epoch_order
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from cadp_worker import AVERAGING_COUNTS, SIZE, make_dataset, make_model, make_optimizer  # noqa: E402

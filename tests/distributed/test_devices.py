@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hetdp import apportion
-from hetdp.train.loader import StepSampler
+from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from devices_worker import COST_SHARES, Sequences, make_model, per_sequence_loss, per_token_loss  # noqa: E402

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp.cluster.emulate import Emulation
 from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG
-from hetdp.train.loader import StepSampler
+from hetdp.cluster.emulate import Emulation
+from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model, make_optimizer, make_tower  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp.train.loader import StepSampler
+from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402

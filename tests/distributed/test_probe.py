@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import hetdp
+from hetdp.bench.datasets import load_digits
+from hetdp.bench.models import ConvNet
 from hetdp.cli import main
-from hetdp.datasets import load_digits
-from hetdp.models import ConvNet
 
 CONVNET_ACTIVATION_MB_PER_SAMPLE = 14120 / 1e6  # see tests/unit/cluster/test_probe.py
 

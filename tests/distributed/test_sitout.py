@@ -11,12 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp.train.loader import StepSampler
+from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
-from sitout_worker import (  # noqa: E402
-    ACCUMULATE, EPOCHS, GLOBAL_BATCH, RESTORED_MEMBERS, SAVED_AT, SIZE, make_wide_model)
+from sitout_worker import ACCUMULATE, EPOCHS, GLOBAL_BATCH, RESTORED_MEMBERS, SAVED_AT, SIZE, make_wide_model  # noqa: E402
 
 RANKS = 4
 CHANGE_AT = 22

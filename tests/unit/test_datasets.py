@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetdp import ConfigError
-from hetdp.datasets import load_dataset
+from hetdp.bench.datasets import load_dataset
 
 
 def write_idx(path, magic, array, compress=False):

@@ -1,6 +1,6 @@
 """Tables printed a row at a time, the launcher's progress bar, and the allocation plots."""
 
-from hetdp.plots import compute_wait_figure, shares_figure
+from hetdp.bench.plots import compute_wait_figure, shares_figure
 from hetdp.report import LaunchProgress, StreamingTable, format_table
 
 

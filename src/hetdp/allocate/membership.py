@@ -64,17 +64,6 @@ def step_s(members: Sequence[int], sample_s: Sequence[float], total: int, measur
     return compute_s(members, sample_s, total, minimum) + exchange_s(len(members), measured)
 
 
-def unmodelled_at(size: int, unmodelled: Mapping[int, float]) -> float:
-    """What a step of ``size`` members takes over the model's price, as a factor: measured at that size (``Allocator``
-    keeps the measured step over the model's price of it as run), else at the nearest measured size (the smaller on a
-    tie), else 1."""
-    if size in unmodelled:
-        return unmodelled[size]
-    if not unmodelled:
-        return 1.0
-    return unmodelled[min(unmodelled, key=lambda k: (abs(k - size), k))]
-
-
 @dataclass(frozen=True)
 class Membership:
     """A decision: the ranks in the exchange, the step it predicts, and why each other rank sits out."""
@@ -87,18 +76,17 @@ class Membership:
 
 
 def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
-                   current: Sequence[int], gain: float = GAIN, unmodelled: Mapping[int, float] | None = None,
-                   noise: float = 0.0, minimum: int = 1) -> Membership:
+                   current: Sequence[int], gain: float = GAIN, noise: float = 0.0, minimum: int = 1) -> Membership:
     """The members that make the step shortest, if they beat ``current`` by ``gain`` and by the noise; else
     ``current``.
 
     For a given group size the fastest ranks are the best group, so only the
     ``P`` groups of the fastest k ranks are priced (ties by rank: a pure,
     deterministic function). While some rank's speed is unknown (None: never measured) the members stay.
-    Every group, today's too, is priced the same way: the model (``step_s``), times what steps of its size were
-    measured to take over the model (``unmodelled``: ranks that share cores or a bus, an exchange that slows the
-    compute beside it, the members' jitter). Today's measured step against another group's modelled one would
-    compare two kinds of price: the model's optimism then reads as a gain, and groups take turns.
+    Every group, today's too, is priced by the same model (``step_s``): today's measured step against another
+    group's modelled one would compare two kinds of price, the model's optimism would read as a gain, and groups
+    would take turns. What the model misses (ranks that share cores or a bus, an exchange that slows the compute
+    beside it) the caller measures after a change, and undoes a change that measured slower (``Allocator``).
 
     Args:
         sample_s: each rank's seconds per sample: measured at its last share (a member's, or an absent rank's
@@ -107,9 +95,8 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         total: samples per step (the global batch).
         current: today's members.
         gain: the least fraction by which a new membership must shorten the step.
-        unmodelled: by group size, the measured step over the model's price of it (see ``unmodelled_at``).
-        noise: the relative standard error of today's measured step: a new membership must shorten the step by
-            ``NOISE_MARGIN`` times it too.
+        noise: the relative standard error of the figures the prices come from: a new membership must shorten the
+            step by ``NOISE_MARGIN`` times it too.
         minimum: the least share of a member.
 
     Raises:
@@ -126,10 +113,9 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     if unknown:
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
-    factors = unmodelled or {}
 
     def priced(group: Sequence[int]) -> float:
-        return step_s(group, speeds, total, measured, minimum) * unmodelled_at(len(group), factors)
+        return step_s(group, speeds, total, measured, minimum)
 
     best = min((known[:k] for k in range(1, len(known) + 1)), key=priced)
     chosen = sorted(current)

@@ -10,6 +10,7 @@ ones: ``"equal"``, ``"adaptive"`` (``"adaptive:paper"``, ``"adaptive:piecewise"`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -21,8 +22,7 @@ import numpy as np
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
-from hetdp.allocate.membership import choose_members
-from hetdp.allocate.membership import exchange_s as exchange_at
+from hetdp.allocate.membership import GAIN, NOISE_MARGIN, choose_members
 from hetdp.allocate.planner import plan
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
@@ -221,6 +221,17 @@ def _spread_below_median(times: Sequence[float]) -> float:
     return statistics.stdev(sorted(times)[: (len(times) + 1) // 2]) / HALF_NORMAL_SD
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """A membership change on trial: the members before it, their measured step, why the others sat out, and the
+    speeds the change was decided on."""
+
+    members: list[int]
+    step_s: float
+    sat_out: dict[int, str]
+    speeds: list[float | None]
+
+
 class Allocator:
     """The shares of one run, under any policy: what every rank computes of each step of ``total`` samples.
 
@@ -254,10 +265,12 @@ class Allocator:
         """Each rank's seconds per sample, as last measured (a rank that sits out keeps its last: it is modelled)."""
         self.exchange_s: dict[int, float] = {}
         """Seconds of the step's exchange, by the number of members it was measured with."""
-        self.unmodelled: dict[int, float] = {}
-        """The measured step over the model's price of it, by the number of members it was measured with."""
         self._in_membership: int | None = None
         """Steps measured since the members last changed (None: they never did)."""
+        self._trial: _Trial | None = None
+        """The members before the last change, until the new ones' measured step has been held against theirs."""
+        self._refused: dict[tuple[int, ...], list[float | None]] = {}
+        """Memberships that measured slower than their predecessors, with the speeds they were tried at."""
         self.adaptive = None
         if isinstance(policy, Adaptive) and world_size > 1:  # a rank alone has no shares to re-plan
             self.adaptive = self._rule(self.members, weights)
@@ -409,10 +422,11 @@ class Allocator:
         A member's seconds per sample are measured; a rank that sits out keeps the last it showed (its stand-in
         steps time nothing of its device). The exchange is what the last member to finish computing waits: the
         least wait of a step; today's step is the longest compute plus wait of a member; both at their typical
-        (lower-quartile) value over the window. Today's step over the model's price of it as run (the slowest
-        member's compute, then the exchange) is what steps of today's size take beyond the model
-        (``unmodelled``): every group of that size is priced with it, and the step's spread is the noise a change
-        must beat (``choose_members``).
+        (lower-quartile) value over the window, whose spread is the noise a change must beat. Groups are compared
+        by the model alone (``choose_members``); each change is a trial: once the new members ran
+        ``MEMBERSHIP_STEPS`` steps, their measured step is held against their predecessors', and a change that
+        measured slower (what the model misses: ranks that share cores or a bus) is undone, and not tried again
+        until some rank's speed moved by the policy's ``drift``.
         """
         if not self.decides_membership:
             return False
@@ -420,40 +434,87 @@ class Allocator:
             if self.shares[rank] > 0:
                 self.sample_s[rank] = seconds / self.shares[rank]
         rows = [(compute, wait) for compute, wait in zip(self._window, self._waits) if wait]
-        noise = 0.0
+        now_s, noise = None, 0.0
         if rows:
-            size = len(self.members)
-            if size > 1:
-                self.exchange_s[size] = _typical([min(wait[r] for r in self.members) for _, wait in rows])
+            if len(self.members) > 1:
+                least_waits = [min(wait[r] for r in self.members) for _, wait in rows]
+                self.exchange_s[len(self.members)] = _typical(least_waits)
             steps_s = [max(compute[r] + wait[r] for r in self.members) for compute, wait in rows]
             now_s = _typical(steps_s)
-            modelled_s = max(typical) + exchange_at(size, self.exchange_s)
-            if now_s > 0 and modelled_s > 0:
-                self.unmodelled[size] = now_s / modelled_s
-                if len(steps_s) > 1:
-                    noise = QUANTILE_ERROR * _spread_below_median(steps_s) / now_s / math.sqrt(len(steps_s))
-        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members,
-                                  unmodelled=self.unmodelled, noise=noise, minimum=self.minimum)
+            if len(steps_s) > 1 and now_s > 0:
+                noise = QUANTILE_ERROR * _spread_below_median(steps_s) / now_s / math.sqrt(len(steps_s))
+        margin = max(GAIN, NOISE_MARGIN * noise)
+        settled = self._in_membership is None or self._in_membership >= MEMBERSHIP_STEPS
+        if settled and self._trial is not None and now_s is not None:
+            trial, self._trial = self._trial, None
+            if now_s > (1.0 + margin) * trial.step_s:  # the change measured slower than the members before it
+                self._refused[tuple(self.members)] = trial.speeds
+                self._switch(trial.members, trial.sat_out)
+                return True
+        decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, noise=noise,
+                                  minimum=self.minimum)
         if list(decision.members) == self.members:
             self.sat_out = decision.sat_out
             return False
-        if self._in_membership is not None and self._in_membership < MEMBERSHIP_STEPS:
-            return False  # too soon after the last change to tell a gain from noise
+        if not settled or self._was_refused(decision.members):
+            return False  # too soon after the last change to tell a gain from noise, or measured slower before
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves
-        self.sat_out = decision.sat_out
-        self.members = list(decision.members)
+        self._trial = None if now_s is None else _Trial(list(self.members), now_s, dict(self.sat_out),
+                                                        list(self.sample_s))
+        self._switch(decision.members, decision.sat_out)
+        return True
+
+    def _switch(self, members: Sequence[int], sat_out: dict[int, str]) -> None:
+        """Make ``members`` the exchange's, and start the rule afresh over them from their speeds."""
+        self.members, self.sat_out = list(members), dict(sat_out)
         self._in_membership = 0
         self.adaptive = self._rule(self.members, [1.0 / seconds if seconds else 1.0 for seconds in self.sample_s])
         self.shares = self._full(self.adaptive.shares)
         self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
         self.replans += 1
+
+    def _was_refused(self, members: Sequence[int]) -> bool:
+        """Whether ``members`` measured slower than their predecessors at speeds still within ``drift`` of today's."""
+        seen = self._refused.get(tuple(members))
+        if seen is None:
+            return False
+        drift = self.policy.drift if isinstance(self.policy, Adaptive) and self.policy.drift is not None else 0.2
+        if any(then is not None and now is not None and abs(now - then) > drift * then
+               for then, now in zip(seen, self.sample_s)):
+            del self._refused[tuple(members)]
+            return False
         return True
 
     def _fits(self, members: Sequence[int]) -> bool:
         """Whether ``members`` alone can hold a step of ``total`` samples under their memory caps (None: no cap)."""
         caps = [self.caps[rank] for rank in members]  # type: ignore[index]
         return any(cap is None for cap in caps) or sum(caps) >= self.total  # type: ignore[arg-type]
+
+    def take(self, shares: Sequence[int]) -> None:
+        """Make ``shares`` the run's from now on, set by hand (``hetdp.DDP.set_shares``): the ranks with a share are
+        the members (under allreduce the others sit out), and an adaptive rule goes on from them.
+
+        Raises:
+            ConfigError: not one share >= 0 per rank summing to the global batch, or a share above its rank's cap.
+        """
+        shares = list(shares)
+        counts = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shares)
+        if len(shares) != self.world_size or not counts or sum(shares) != self.total:
+            raise ConfigError(f"shares must be {self.world_size} integers >= 0 summing to the global batch of "
+                              f"{self.total}, got {shares}")
+        over = [rank for rank, (n, cap) in enumerate(zip(shares, self.caps or [None] * self.world_size))
+                if cap is not None and n > cap]
+        if over:
+            raise ConfigError(f"shares {shares} exceed the memory cap of rank {over[0]} ({self.caps[over[0]]})")
+        self.shares = shares
+        self.members = [rank for rank, n in enumerate(shares) if n > 0]
+        self.sat_out = {rank: "its share was set to 0 (set_shares)" for rank in range(self.world_size)
+                        if rank not in self.members}
+        if self.adaptive is not None:
+            self.adaptive = self._rule(self.members, [float(n) for n in shares])
+        self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
+        self._in_membership = 0
 
     def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
         """Measure a window of steps (each rank's per-step seconds, ranks x steps) and re-plan from it."""
@@ -465,8 +526,9 @@ class Allocator:
         return {"shares": list(self.shares), "replans": self.replans,
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
                 "members": list(self.members), "sat_out": dict(self.sat_out), "sample_s": list(self.sample_s),
-                "exchange_s": dict(self.exchange_s), "unmodelled": dict(self.unmodelled),
-                "in_membership": self._in_membership}
+                "exchange_s": dict(self.exchange_s), "in_membership": self._in_membership,
+                "trial": None if self._trial is None else dataclasses.asdict(self._trial),
+                "refused": [[list(members), speeds] for members, speeds in self._refused.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.total:
@@ -482,7 +544,12 @@ class Allocator:
         self.sat_out = {int(rank): why for rank, why in state.get("sat_out", {}).items()}
         self.sample_s = list(state.get("sample_s", self.sample_s))
         self.exchange_s = {int(size): float(seconds) for size, seconds in state.get("exchange_s", {}).items()}
-        self.unmodelled = {int(size): float(factor) for size, factor in state.get("unmodelled", {}).items()}
         self._in_membership = state.get("in_membership")
+        trial = state.get("trial")
+        self._trial = None if trial is None else _Trial(
+            [int(rank) for rank in trial["members"]], float(trial["step_s"]),
+            {int(rank): why for rank, why in trial["sat_out"].items()}, list(trial["speeds"]))
+        self._refused = {tuple(int(rank) for rank in members): list(speeds)
+                         for members, speeds in state.get("refused", [])}
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])

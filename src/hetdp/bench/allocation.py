@@ -25,16 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hetdp.allocate.policy import Adaptive, Equal, Static
+from hetdp.bench.datasets import DATASETS, Split, load_dataset
 from hetdp.bench.loop import tensor_loader, train_share
+from hetdp.bench.models import ConvNet, accuracy
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation, parse_speeds
-from hetdp.datasets import DATASETS, Split, load_dataset
+from hetdp.ddp import model as hetdp_ddp
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
-from hetdp.models import ConvNet, accuracy
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train import ddp as hetdp_ddp
 
 DEFAULT_SPEEDS = "1,1,2,4"
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epochs = args.epochs or (5 if args.quick else 10)
     if epochs < 1 or args.batch_size < 1 or not args.sample_kb >= 0 or not args.lr > 0:
         raise ConfigError("--epochs, --batch-size and --lr must be positive and --sample-kb >= 0")
-    from hetdp.models import ConvNet
+    from hetdp.bench.models import ConvNet
 
     model_bytes = float(sum(p.numel() * p.element_size() for p in ConvNet().parameters()))
     sample_bytes = args.sample_kb * 1000
@@ -184,8 +184,8 @@ def _worker(folder: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from hetdp.datasets import load_digits
-    from hetdp.models import ConvNet, accuracy
+    from hetdp.bench.datasets import load_digits
+    from hetdp.bench.models import ConvNet, accuracy
     from hetdp.runtime import init_distributed
     from hetdp.train.cadp import CadpConfig, train_cadp
 

@@ -7,7 +7,8 @@ logged a random step: SIGKILL, or SIGSTOP in every other trial. The last trial
 is not restarted on 4 ranks but resumed on 3.
 
 Figures: ``recovered`` of ``trials`` (runs that finished), ``max_lost_steps``
-(steps run again after a fault), ``final_param_gap`` (largest difference of the
+(steps run again after a fault), ``delivered`` (faults sent: a run that failed before its fault's step got
+none), ``final_param_gap`` (largest difference of the
 final parameters against an uninterrupted run with the same seed: adaptive
 shares follow measured times, so the sum order of the gradient differs between
 runs and the gap is rounding, not 0), ``named`` (faults after which every
@@ -44,13 +45,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import HetDPError, PeerTimeoutError
+from hetdp.flags import positive_int
 from hetdp.launch import ENV_RESTART, run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
 
 SPEEDS = (1.0, 1.0, 2.0, 4.0)
 DATASET = 192
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "trials": trials,
         "recovered": sum(o["finished"] for o in outcomes),
+        "delivered": sum(o["delivered"] for o in outcomes),
         "stopped": sum(fault.signal == signal.SIGSTOP for fault in faults),
         "named": sum(o["named"] for o in outcomes),
         "max_detect_s": round(max(detect), 1) if detect else None,
@@ -121,11 +123,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> str:
-    keys = ("recovered", "trials", "stopped", "named", "max_detect_s", "max_lost_steps", "every", "data_exact",
-            "final_param_gap", "resize_ok", "resize_stable_steps", "epoch_steps", "seconds")
+    keys = ("recovered", "trials", "delivered", "stopped", "named", "max_detect_s", "max_lost_steps", "every",
+            "data_exact", "final_param_gap", "resize_ok", "resize_stable_steps", "epoch_steps", "seconds")
     table = format_table([{key: result[key] for key in keys}],
                          title="a random rank killed (SIGKILL) or hung (SIGSTOP) at a random step, --max-restarts 2")
-    return table + ("\nnamed: faults after which every survivor named the signalled rank; max_detect_s: SIGSTOP to "
+    return table + ("\ndelivered: faults sent (a run that failed before its fault's step got none); named: faults "
+                    "after which every survivor named the signalled rank; max_detect_s: SIGSTOP to "
                     f"the survivors' error (target <= step_timeout_s + 5 = {result['step_timeout_s'] + 5:g}); "
                     "max_lost_steps: steps run again after a fault (target <= every); data_exact: runs that trained "
                     "each sample once per epoch; final_param_gap: against an uninterrupted run (adaptive shares vary "
@@ -163,7 +166,8 @@ def _trial(folder: Path, args: argparse.Namespace, fault: Fault, *, resize: bool
     outcome["lost_steps"] = _lost_steps(outcome["log"])
     outcome["data_exact"] = data_exact(outcome["log"])
     outcome["named"], outcome["detect_s"] = False, None
-    if fault.signal == signal.SIGSTOP:
+    outcome["delivered"] = (folder / "signalled").is_file()  # the run may have failed before the fault's step
+    if fault.signal == signal.SIGSTOP and outcome["delivered"]:
         signalled = float((folder / "signalled").read_text())
         survivors = [line.split() for line in _lines(folder / "faults.log") if line.startswith("0 ")]
         outcome["named"] = len(survivors) == len(SPEEDS) - 1 and all(int(culprit) == fault.rank

@@ -60,17 +60,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hetdp.allocate.policy import Adaptive, allocation_policy
+from hetdp.bench.datasets import Split, load_digits
+from hetdp.bench.models import ConvNet, accuracy
 from hetdp.bench.workers import launch_workers
-from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation, parse_speeds
-from hetdp.datasets import Split, load_digits
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.flags import positive_int
 from hetdp.launch import EventWriter
-from hetdp.models import ConvNet, accuracy
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
 from hetdp.sync.policy import Partial, sync_policy
-from hetdp.train.ddp import DistributedDataParallel
 
 DEFAULT_SPEEDS = "1,1,2,4"
 PAIRINGS = (("equal", "allreduce"), ("adaptive", "allreduce"), ("equal", "majority"), ("adaptive", "majority"),

@@ -36,11 +36,11 @@ from hetdp.bench.loop import tensor_loader, train_share
 from hetdp.cluster.devices import device_model, device_table, per_sample_ms, read_device_table
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.spec import ClusterSpec
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
 
 RULES = ("paper", "piecewise")
 FEATURES = 16

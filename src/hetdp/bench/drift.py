@@ -36,13 +36,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from hetdp.allocate.apportion import apportion_min_max
 from hetdp.allocate.policy import Adaptive, Static
 from hetdp.bench.workers import launch_workers
-from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.flags import positive_int
 from hetdp.launch import EventWriter
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
 
 DEFAULT_SPEEDS = "1,1,2,4"
 WINDOW = 5

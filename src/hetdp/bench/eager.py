@@ -34,11 +34,11 @@ from torch.nn.utils import parameters_to_vector
 from tqdm import tqdm
 
 from hetdp.cluster.emulate import Emulation
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
 
 MODES = ("sync", "solo", "majority")
 SYNC = {"sync": "allreduce", "solo": "solo", "majority": "majority"}

@@ -21,12 +21,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from hetdp.allocate.policy import Static
 from hetdp.cluster.emulate import Emulation
+from hetdp.data.steps import StepSampler
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.loader import StepSampler
 
 FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers"}
 """Framework -> the package its adapter needs."""

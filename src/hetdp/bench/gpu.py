@@ -41,11 +41,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from hetdp.bench import gpu_paths
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
+from hetdp.ddp import model as hetdp_ddp
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed, synchronize
-from hetdp.train import ddp as hetdp_ddp
 
 OVERHEAD_SAMPLES, OVERHEAD_BATCH, OVERHEAD_WORKERS = 12_800, 256, 6
 MIXED_SAMPLES, MIXED_BATCH = 8_192, 512

@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
 from hetdp.cluster.emulate import Emulation
+from hetdp.data.steps import StepSampler
 from hetdp.launch import EventWriter
-from hetdp.train.loader import StepSampler
 
 SYNCS = ("allreduce", "solo", "majority", "quorum:2", "local:3", "local")
 SIZE, GLOBAL_BATCH, EPOCHS, SEED = 97, 32, 2, 5
@@ -74,13 +74,6 @@ def _forced_shares(step: int, world_size: int) -> tuple[int, list[int]] | None:
     if step == REJOIN_AT - 1:
         return REJOIN_AT, [GLOBAL_BATCH // world_size] * world_size
     return None
-
-
-def force_shares(model: hetdp.DDP, first: int, shares: list[int]) -> None:
-    """Do what a re-plan that lets ranks sit out does (``Planner._plan``): ``shares`` from step ``first`` on, and
-    the ranks with none out of the exchange."""
-    model._planner.schedule.append((first, shares))
-    model._sitting.schedule(first, [rank for rank, share in enumerate(shares) if share])
 
 
 def runs_for(world_size: int) -> dict[str, tuple[str, Any, dict[str, Any]]]:
@@ -143,7 +136,7 @@ def run_one(sync: str, make: Any, options: dict[str, Any], device: torch.device,
             for x, y in loader:
                 forced = _forced_shares(model.steps_done, model.world_size) if sit_out else None
                 if forced is not None:
-                    force_shares(model, *forced)
+                    model.set_shares(forced[1], at_step=forced[0])
                 if model._sitting is not None:
                     members.append(list(model._sitting.members_at(model.steps_done)))
                 stood_in += int(model.step_samples == 0)

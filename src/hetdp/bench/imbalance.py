@@ -44,11 +44,11 @@ from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import Equal, Static
 from hetdp.bench.eager import synchronous_step
 from hetdp.cluster.emulate import Emulation
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train.ddp import DistributedDataParallel
 from hetdp.train.eager import EagerSGD
 
 MODES = ("sync", "solo", "majority")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from hetdp.cluster.devices import micro_batches
-from hetdp.train.ddp import DistributedDataParallel
+from hetdp.ddp.model import DistributedDataParallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

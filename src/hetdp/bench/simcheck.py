@@ -43,16 +43,16 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hetdp.allocate.policy import AllocationPolicy, Static, allocation_policy
 from hetdp.bench.workers import launch_workers
-from hetdp.cli.run import positive_int
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, parse_speeds
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.figures.metrics import MetricsConfig
+from hetdp.flags import positive_int
 from hetdp.launch import EventWriter
 from hetdp.report import StreamingTable, format_table, print_above_progress
 from hetdp.runtime import init_distributed
 from hetdp.sim.engine import LoopCosts, Strategy, simulate_strategy
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.metrics import MetricsConfig
 
 DEFAULT_NPROC = "4,8,16"
 DEFAULT_SPEEDS = "1,1,2,4"

@@ -35,16 +35,16 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hetdp.bench.allocation import steady_epoch_s
+from hetdp.bench.datasets import Split, load_dataset
+from hetdp.bench.models import ConvNet
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.probe import median_batch_s
-from hetdp.datasets import Split, load_dataset
+from hetdp.ddp import model as hetdp_ddp
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
-from hetdp.models import ConvNet
 from hetdp.report import format_table
 from hetdp.runtime import init_distributed
-from hetdp.train import ddp as hetdp_ddp
 
 COMM_HEAVY_SPEEDS = (100.0, 1.0, 1.0, 1.0)
 BALANCED_SPEEDS = (1.0, 1.0, 2.0, 4.0)

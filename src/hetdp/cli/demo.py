@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from hetdp.bench.allocation import add_dataset_arguments, run_experiment, steady_epoch_s
+from hetdp.bench.datasets import load_dataset
+from hetdp.bench.plots import write_allocation_plots
 from hetdp.cluster.emulate import Emulation, parse_speeds
-from hetdp.datasets import load_dataset
 from hetdp.errors import ConfigError
+from hetdp.figures.metrics import diagnose_straggler
 from hetdp.files import write_json
-from hetdp.plots import write_allocation_plots
 from hetdp.report import StreamingTable, print_above_progress
-from hetdp.train.metrics import diagnose_straggler
 
 GLOBAL_BATCH = 128
 COLUMNS = ("policy", "epoch", "shares", "compute s", "wait s", "epoch s", "accuracy")

@@ -8,10 +8,10 @@ from typing import Any
 
 from hetdp.allocate.apportion import apportion
 from hetdp.allocate.planner import METHODS, Plan, evaluate, plan
-from hetdp.cli.run import positive_int
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
 from hetdp.files import write_json
+from hetdp.flags import positive_int
 from hetdp.report import decimals_for, format_table
 
 DEFAULT_EPOCHS = 10

@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetdp.cli.run import positive_int
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.errors import ConfigError, HetDPError
+from hetdp.flags import positive_int
 from hetdp.launch import run_local
 from hetdp.report import LaunchProgress, format_table
 
@@ -135,12 +135,12 @@ def _worker(settings_path: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from hetdp.bench.datasets import load_digits
+    from hetdp.bench.models import ConvNet
     from hetdp.cluster.emulate import Link
     from hetdp.cluster.probe import ProbeConfig, probe_cluster
-    from hetdp.datasets import load_digits
     from hetdp.files import atomic_write
     from hetdp.launch import EventWriter
-    from hetdp.models import ConvNet
     from hetdp.runtime import init_distributed
 
     settings = json.loads(settings_path.read_text())

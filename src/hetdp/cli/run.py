@@ -11,18 +11,9 @@ from hetdp.allocate.policy import ENV_ALLOCATION, allocation_policy
 from hetdp.cluster.devices import device_models_from_flags, read_device_table
 from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, parse_stragglers
 from hetdp.errors import ConfigError
+from hetdp.flags import positive_int
 from hetdp.launch import run_local
 from hetdp.sync.policy import ENV_SYNC, sync_policy
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_emulation_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,8 +29,6 @@ class Paths:
     """Whether a rank's CUDA tensors reach the point-to-point sends through host copies (gloo with a GPU rank)."""
     mixed: bool
     """Whether the ranks' devices differ (some CUDA, some CPU)."""
-    gather_device: str
-    """The device of the small figure gathers: the backend's own (``cuda`` for NCCL, ``cpu`` for gloo)."""
 
 
 def agree(backend: str, device_types: Sequence[str]) -> Paths:
@@ -45,8 +43,7 @@ def agree(backend: str, device_types: Sequence[str]) -> Paths:
         raise ConfigError(f"NCCL needs every rank's model on a GPU, got {list(device_types)} (ranks {cpu_ranks} are "
                           "not): mix GPUs and CPUs over gloo (init_process_group('gloo'))")
     gloo = backend == "gloo"
-    return Paths(point_to_point=gloo, host_copies=gloo and "cuda" in kinds, mixed=len(kinds) > 1,
-                 gather_device="cpu" if gloo else "cuda")
+    return Paths(point_to_point=gloo, host_copies=gloo and "cuda" in kinds, mixed=len(kinds) > 1)
 
 
 def agree_in_group(device: torch.device, group: dist.ProcessGroup, timeout_s: float) -> Paths:

@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from hetdp.allocate.policy import AllocationPolicy
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.figures.metrics import MetricsConfig
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.metrics import MetricsConfig
 
 try:
     import accelerate

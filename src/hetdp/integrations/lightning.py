@@ -16,11 +16,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.policy import AllocationPolicy
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.metrics import EpochReport, MetricsConfig
 
 try:
     import lightning.pytorch as pl

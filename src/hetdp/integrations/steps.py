@@ -11,9 +11,10 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from hetdp.data.loader import AllocatedLoader
+from hetdp.data.steps import StepTicket
 from hetdp.errors import ConfigError
-from hetdp.train.loader import AllocatedLoader, StepTicket
-from hetdp.train.metrics import EpochReport
+from hetdp.figures.metrics import EpochReport
 
 
 class LoopLoader:

@@ -11,10 +11,10 @@ import torch
 
 from hetdp.allocate.policy import AllocationPolicy
 from hetdp.errors import ConfigError
+from hetdp.figures.metrics import MetricsConfig
 from hetdp.integrations.accelerate import Accelerator, AllocatedDataLoader
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
-from hetdp.train.metrics import MetricsConfig
 
 try:
     import transformers

@@ -1,8 +1,8 @@
 """Parameter averaging: replicas that trained apart merge as w = sum_i weight_i w_i (local SGD, C-ADP).
 
 The one implementation of the local synchronization: the drop-in merges with it
-every K steps or per epoch, ``train_cadp`` after each epoch, and eager-SGD's
-periodic model synchronization averages with equal weights through it.
+every K steps or once per epoch (C-ADP's per-epoch merge, weighted by each
+replica's samples).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetdp.collectives.flat import flatten, unflatten_into
 from hetdp.errors import ConfigError
-from hetdp.runtime import global_rank, wait_for
+from hetdp.runtime import wait_for
 from hetdp.sync.base import Synchronizer
 
 
@@ -40,20 +41,11 @@ def float_state(model: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One vector of all ``tensors``, for a single collective: in float32 where they are of 16 bits or 32 (a weighted
-    sum of a few 16-bit values would round), float64 only where some already is. On a GPU, a float64 copy of a
-    float32 model would cost twice the model's memory for no precision the parameters can hold."""
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-
-
-def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy consecutive pieces of ``flat`` back into ``tensors`` (the inverse of ``flatten``)."""
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+def merge_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a merge sums in: float32 where the tensors are of 16 bits or 32 (a weighted sum of a few 16-bit values
+    would round), float64 only where some already is. On a GPU, a float64 copy of a float32 model would cost twice
+    the model's memory for no precision the parameters can hold."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 @torch.no_grad()
@@ -82,7 +74,7 @@ def average_parameters(
     if weight == 1.0 and dist.get_world_size(group) == 1:  # alone: the merge is this replica, with no collective
         return None if carry is None else carry.to(torch.float64).reshape(-1)
     tensors = float_state(model)
-    merged = flatten(tensors).mul_(weight)
+    merged = flatten(tensors, dtype=merge_dtype(tensors)).mul_(weight)
     figures = None if carry is None else carry.to(merged.device, torch.float64).reshape(-1)
     extra = None if alongside is None else alongside.to(merged.device)
     # Each keeps its dtype (the figures are step counts and seconds) in a collective of its own, started together.
@@ -94,22 +86,6 @@ def average_parameters(
     if extra is not None and extra is not alongside:
         alongside.copy_(extra)  # type: ignore[union-attr]
     return figures
-
-
-@torch.no_grad()
-def broadcast_parameters(
-    model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
-) -> None:
-    """Give every rank the parameters and float buffers of rank ``src`` (the initial global model).
-
-    Raises:
-        PeerTimeoutError: a rank did not join within ``timeout_s`` seconds.
-    """
-    tensors = float_state(model)
-    flat = flatten(tensors)
-    work = dist.broadcast(flat, global_rank(src, group), group=group, async_op=True)
-    wait_for(work, "initial model broadcast", timeout_s, group)
-    unflatten_into(tensors, flat)
 
 
 class ParameterAveraging(Synchronizer):

@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from hetdp.allocate.policy import Adaptive, AllocationPolicy, Equal, Static
 from hetdp.bench.loop import tensor_loader, train_share
 from hetdp.cluster.emulate import Emulation
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import CheckpointError, ConfigError
+from hetdp.figures.metrics import EpochReport
 from hetdp.runtime import local_device
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.metrics import EpochReport
 
 
 @dataclass(kw_only=True, frozen=True)

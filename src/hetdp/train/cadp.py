@@ -34,11 +34,11 @@ from hetdp.allocate.planner import plan as make_plan
 from hetdp.allocate.policy import Planned
 from hetdp.cluster.emulate import Emulation, Link, sleep
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
+from hetdp.data.distribute import Transport, distribute
+from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError, HetDPError
+from hetdp.figures.metrics import EpochReport
 from hetdp.runtime import Timeouts, barrier, global_rank, local_device
-from hetdp.train.ddp import DistributedDataParallel
-from hetdp.train.distribute import Transport, distribute
-from hetdp.train.metrics import EpochReport
 
 log = logging.getLogger(__name__)
 

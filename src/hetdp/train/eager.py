@@ -29,10 +29,12 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from hetdp.cluster.emulate import Emulation
+from hetdp.collectives.flat import broadcast_in_place
 from hetdp.collectives.partial import PartialConfig, PartialResult
 from hetdp.collectives.protocol import Mode
 from hetdp.errors import ConfigError
-from hetdp.sync.averaging import average_parameters, broadcast_parameters
+from hetdp.runtime import global_rank
+from hetdp.sync.averaging import average_parameters, float_state
 from hetdp.sync.partial import GradientRound, PartialGradients
 
 log = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class EagerSGD:
         self.catch_up = catch_up
         self.group = group
         config = mode if isinstance(mode, PartialConfig) else PartialConfig(mode=mode)
-        broadcast_parameters(model, group=group, timeout_s=config.timeouts.round_s)
+        broadcast_in_place(float_state(model), global_rank(0, group), group)
         self.sync = PartialGradients(parameters_to_vector(self._params).detach(), config, group)
         self.partial = self.sync.partial
         """The partial allreduce underneath."""

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetdp
 from hetdp.allocate.planner import evaluate
+from hetdp.data.distribute import distribute
 from hetdp.sync.averaging import average_parameters, merge_weights
 from hetdp.train.cadp import CadpConfig, train_cadp
-from hetdp.train.distribute import distribute
 
 SIZE = 47
 AVERAGING_COUNTS = (1, 2, 5)

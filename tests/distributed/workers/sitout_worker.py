@@ -28,14 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dropin_worker import Pairs  # noqa: E402  (the test puts this folder on the path)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
-from hetdp.bench.gpu_paths import force_shares
 from hetdp.cluster.emulate import Emulation
-
-from dropin_worker import Pairs  # noqa: E402  (the test puts this folder on the path)
 
 SIZE, GLOBAL_BATCH, EPOCHS = 320, 32, 5
 
@@ -97,7 +95,8 @@ def train(model: hetdp.DDP, loader, optimizer, epochs: range, forced: dict | Non
         loader.sampler.set_epoch(epoch)
         for i, batch in enumerate(loader):
             if forced and model.steps_done in forced:
-                force_shares(model, *forced[model.steps_done])
+                first, shares = forced[model.steps_done]
+                model.set_shares(shares, at_step=first)
             record["members"].append(list(model._sitting.members_at(model.steps_done)))
             record["sums"].append(checksum(model.module))
             if i % every == 0:

@@ -125,6 +125,7 @@ def test_the_membership_survives_a_checkpoint():
     resumed.load_state_dict(allocator.state_dict())
     assert resumed.members == [0] and resumed.shares == [256, 0, 0, 0] and resumed.sat_out == allocator.sat_out
     assert resumed.exchange_s == allocator.exchange_s
+    assert resumed._trial == allocator._trial and resumed._trial.members == [0, 1, 2, 3]  # the change is on trial
 
 
 class Group:
@@ -132,14 +133,18 @@ class Group:
     then the members exchange, and each one's exchange ends a random moment after the last compute (the completion
     skew of a real exchange, which the model of a step does not price). A rank that sits out runs a stand-in."""
 
-    def __init__(self, sample_s, exchange_s, skew_s, seed, jitter=0.05):
+    def __init__(self, sample_s, exchange_s, skew_s, seed, jitter=0.05, alone_s=0.0):
         self.sample_s, self.exchange_s, self.skew_s, self.jitter = sample_s, exchange_s, skew_s, jitter
+        self.alone_s = alone_s
+        """What a lone member's step costs beyond its compute (a cost the model does not price)."""
         self.random = random.Random(seed)
 
     def step(self, allocator: Allocator) -> None:
         members = allocator.members
         compute = [share * seconds * (1 + abs(self.random.gauss(0, self.jitter))) if rank in members else 1e-5
                    for rank, (share, seconds) in enumerate(zip(allocator.shares, self.sample_s))]
+        if len(members) == 1:
+            compute[members[0]] += self.alone_s
         last = max(compute[rank] for rank in members)
         exchange = self.exchange_s[len(members)] if len(members) > 1 else 0.0
         wait = [last + exchange + self.random.uniform(0, self.skew_s) - compute[rank] if rank in members else 0.0
@@ -194,3 +199,38 @@ def test_a_group_that_pays_to_shrink_shrinks_once_and_stays_so(seed):
     memberships = [members for epoch in run_epochs(group, epochs=10) for members in epoch]
     assert memberships[-1] == (3,)
     assert sum(1 for before, after in itertools.pairwise(memberships) if before != after) == 1
+
+
+def test_shares_set_by_hand_make_the_members_and_an_adaptive_rule_goes_on_from_them():
+    allocator = Allocator(Adaptive(), 4, 16, membership=True)
+    allocator.take([10, 0, 6, 0])
+    assert allocator.shares == [10, 0, 6, 0] and allocator.members == [0, 2] and set(allocator.sat_out) == {1, 3}
+    shares = _window(allocator, [0.001, 0.001, 0.001, 0.001], 0.0, steps=4)  # the two members run at one speed
+    assert shares == [8, 0, 8, 0] and allocator.members == [0, 2]
+
+
+@pytest.mark.parametrize("shares", [[8, 8, 0], [8, 8, 0, 0, 0], [4, 4, 4, 5], [4.0, 4, 4, 4], [17, -1, 0, 0]])
+def test_shares_set_by_hand_must_be_one_count_per_rank_summing_to_the_global_batch(shares):
+    allocator = Allocator(Equal(), 4, 16)
+    with pytest.raises(ConfigError, match="global batch of 16"):
+        allocator.take(shares)
+    assert allocator.shares == [4, 4, 4, 4]
+
+
+def test_shares_set_by_hand_respect_the_memory_caps():
+    allocator = Allocator(Equal(), 2, 16, caps=[10, None])
+    with pytest.raises(ConfigError, match="memory cap of rank 0 \\(10\\)"):
+        allocator.take([12, 4])
+    allocator.take([10, 6])
+    assert allocator.shares == [10, 6]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_change_that_measures_slower_than_the_members_before_it_is_undone_and_not_tried_again(seed):
+    # The model sends the speed-4 rank off alone (4 ms a step against 2 + 4 ms), but alone it pays 5 ms more that the
+    # model does not price: measured, the change is slower, so the four take the exchange again, and stay.
+    group = Group(SPEEDS_1124, {2: 0.6e-3, 3: 0.9e-3, 4: 4e-3}, skew_s=0.5e-3, seed=seed, alone_s=5e-3)
+    memberships = [members for epoch in run_epochs(group, epochs=10) for members in epoch]
+    changes = [after for before, after in itertools.pairwise(memberships) if before != after]
+    assert changes == [(3,), (0, 1, 2, 3)], changes
+

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from hetdp.bench.models import ConvNet
 from hetdp.cli import main
 from hetdp.cli.probe import parse_per_rank
 from hetdp.cluster.probe import ProbeConfig, activation_bytes_per_sample, link_from_round_trips
 from hetdp.errors import ConfigError
-from hetdp.models import ConvNet
 
 
 def test_link_figures_from_a_tiny_and_a_large_round_trip():

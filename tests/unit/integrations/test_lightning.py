@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hetdp.train.loader import AllocatedLoader
+from hetdp.data.loader import AllocatedLoader
 
 pytest.importorskip("lightning")
 from lightning.fabric.utilities.types import _Stateful  # noqa: E402

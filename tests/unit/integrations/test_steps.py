@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from hetdp.data.loader import AllocatedLoader
 from hetdp.integrations.steps import LoopLoader
-from hetdp.train.loader import AllocatedLoader
 
 
 class Recorder:

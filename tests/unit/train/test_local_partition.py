@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hetdp.data.distribute import partition
 from hetdp.errors import ConfigError
 from hetdp.train.cadp import CadpConfig
-from hetdp.train.distribute import partition
 
 
 @given(st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=10), st.integers(0, 2**32 - 1))

@@ -1,0 +1,1 @@
+"""Step checkpoints: written atomically, read without running code, resumed on any number of ranks."""

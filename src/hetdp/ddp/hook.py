@@ -1,0 +1,115 @@
+"""The drop-in's comm hook: each bucket weighed by this rank's part of the step, combined by the synchronization.
+
+The hook is the one seam between torch's DDP and hetdp's synchronizations
+(``hetdp.sync``): the factory here builds the synchronization a ``SyncPolicy``
+names, and ``HookState`` carries what the hook needs into torch's reducer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from hetdp.collectives.paths import Paths
+from hetdp.errors import ConfigError
+from hetdp.figures.clock import StepClock
+from hetdp.sync.averaging import ParameterAveraging
+from hetdp.sync.base import Synchronizer
+from hetdp.sync.gradient_sum import GradientSum
+from hetdp.sync.partial import PartialGradients
+from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy
+
+
+class HookState:
+    """What the comm hook needs, kept apart from the module: a cycle through DDP would keep its group alive."""
+
+    def __init__(self, clock: StepClock, synchronizer: Synchronizer, world_size: int) -> None:
+        self.clock = clock
+        self.synchronizer = synchronizer
+        self.world_size = world_size
+        self.samples, self.total = 1, world_size  # outside a step: plain DDP's mean over ranks
+        self.meets = False
+        """Whether the ranks meet after this step (the synchronization then completes the step everywhere)."""
+        self.reached = False
+        """Whether this step's gradient has reached the synchronization (a heartbeat's progress tells)."""
+        self.local = isinstance(synchronizer, ParameterAveraging)
+        """Whether gradients stay on their rank: a step that no meeting follows then exchanges nothing."""
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.reached = True
+        self.clock.mark_ready(bucket.is_last(), alone=self.local and not self.meets)
+        combined = self.synchronizer.reduce(bucket, self.samples, self.total, self.meets)
+        if combined.done():  # combined already (alone, the small last bucket, partial, local): no callback to run
+            self.clock.mark_synced()
+            return combined
+        return combined.then(self._synced)
+
+    def _synced(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        self.clock.mark_synced()
+        return future.value()
+
+    def outside_step(self) -> None:
+        """Weigh the next backward as plain DDP does (the mean over ranks), as between steps."""
+        self.samples, self.total, self.meets = 1, self.world_size, False
+
+
+def comm_hook(state, bucket):  # no annotations: DDP checks them as types, and here they would be strings
+    """DDP comm hook: weight and combine a bucket by the step's shares (see ``HookState``)."""
+    return state.reduce(bucket)
+
+
+class _Stepping(Protocol):
+    steps_done: int
+    _hook: HookState
+
+
+def progress(model_ref: weakref.ref[_Stepping]) -> int:
+    """How far a rank got, for its heartbeat: two points a step, the second once its gradient is synchronizing.
+
+    Weakly held: the heartbeat must not keep the model (and its process group) alive.
+    """
+    model = model_ref()
+    return 0 if model is None else 2 * model.steps_done + int(model._hook.reached)
+
+
+def waits_for_rounds(spec: SyncPolicy) -> bool:
+    """Whether the synchronization is a partial allreduce whose rounds wait for other ranks (all but solo and
+    quorum:1, where a rank's own arrival fires its round)."""
+    return isinstance(spec, Partial) and spec.mode != "solo" and not (spec.mode == "quorum" and spec.quorum == 1)
+
+
+def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,
+                 paths: Paths) -> Synchronizer:
+    """The synchronization ``spec`` names, over ``group``, for the trainable parameters of ``module``."""
+    if isinstance(spec, Allreduce):
+        return GradientSum(group, timeout_s, paths)
+    if isinstance(spec, LocalAveraging):
+        return ParameterAveraging(spec.every, group, timeout_s)
+    params = [p for p in module.parameters() if p.requires_grad]
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) != 1:
+        raise ConfigError(f"partial synchronization needs trainable parameters of one dtype and device, got {kinds}")
+    like = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    config = spec.partial_config()
+    if dist.get_backend(group) == "nccl":  # every rank's gradient is on a GPU: the rounds' data stays there
+        config = dataclasses.replace(config, data_backend="nccl")
+    return PartialGradients(like, config, group, sync_every=spec.sync_every, timeout_s=timeout_s)
+
+
+def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """torch DDP's options with its forward broadcast of rank 0's buffers off, unless the user set it, where the
+    synchronization is partial or local (there it would make every forward wait for rank 0), and alone (a rank by
+    itself has nobody to take buffers from: torch's DDP would still run the broadcast, a collective, every forward)."""
+    every_step = isinstance(spec, Allreduce) and world_size > 1
+    if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:
+        ddp_options.setdefault("forward_sync_buffers", every_step)
+    elif not every_step:
+        ddp_options.setdefault("broadcast_buffers", False)
+    return ddp_options

@@ -1,0 +1,1 @@
+"""What a run measures: step and epoch timings, their gathers across ranks, and the straggler diagnosis."""
