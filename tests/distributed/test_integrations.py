@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model  # noqa: E402
 
 # A module's launches run several scenarios each and take their time on a loaded machine: more than the 300 s a test
-# may take by default, its fixtures' launches included.
-pytestmark = pytest.mark.timeout(900)
+# may take by default, its fixtures' launches included. The shares they reach follow measured times, which other
+# tests' processes would distort: they run alone.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.serial]
 
 RANKS = 4
 # 4 ms a sample at speed 1: the emulated times stay well above the real compute of the tiny models even when other

@@ -5,10 +5,17 @@ import pytest
 import hetdp
 
 
-def test_every_public_name_imports_and_all_is_sorted():
+def test_every_public_name_is_hetdp_s_own_documented_definition_and_all_is_sorted():
     for name in hetdp.__all__:
-        assert getattr(hetdp, name) is not None, name
+        value = getattr(hetdp, name)
+        assert value.__module__.startswith("hetdp."), name  # not a name hetdp merely passes on
+        assert (value.__doc__ or "").strip(), name  # the reference renders its docstring
+        assert name == value.__name__ or name in ALIASES, name
     assert hetdp.__all__ == sorted(hetdp.__all__)
+
+
+ALIASES = {"DDP"}
+"""Public names that are another public name's second name (``hetdp.DDP`` is ``hetdp.DistributedDataParallel``)."""
 
 
 def test_public_names_import_without_a_deprecation_warning():
