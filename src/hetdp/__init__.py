@@ -11,7 +11,7 @@ import warnings
 
 import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
-from hetdp.allocate.apportion import apportion
+from hetdp.allocate.apportion import apportion, apportion_min_max
 from hetdp.allocate.minmax import min_max_shares
 from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.planner import DevicePlan, Plan, plan
@@ -21,13 +21,13 @@ from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation, Link
 from hetdp.cluster.probe import ProbeConfig, probe_cluster
 from hetdp.cluster.spec import ClusterSpec, DeviceSpec
-from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
+from hetdp.collectives.partial import Partial, PartialAllreduce, PartialResult
 from hetdp.data.distribute import distribute
 from hetdp.ddp.model import DDP, DistributedDataParallel
 from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.runtime import Timeouts, init_distributed
-from hetdp.sync.policy import Allreduce, LocalAveraging, Partial
+from hetdp.sync.policy import Allreduce, LocalAveraging
 
 __all__ = [
     "Adaptive",
@@ -52,7 +52,6 @@ __all__ = [
     "MetricsConfig",
     "Partial",
     "PartialAllreduce",
-    "PartialConfig",
     "PartialResult",
     "PeerTimeoutError",
     "Plan",
@@ -62,6 +61,7 @@ __all__ = [
     "StepFigures",
     "Timeouts",
     "apportion",
+    "apportion_min_max",
     "distribute",
     "init_distributed",
     "min_max_shares",
@@ -81,6 +81,8 @@ _DEPRECATED = {
     "AllocationConfig": ("hetdp.train.allocation", _ALLOCATED),
     "CadpConfig": ("hetdp.train.cadp", _CADP),
     "CadpResult": ("hetdp.train.cadp", _CADP),
+    "PartialConfig": ("hetdp.collectives.partial", "hetdp.Partial(...), whose grace=0.0 and bypass=False are the "
+                      "paper's round rules (its own defaults are the drop-in's)"),
     "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
                  "in your own loop: its optimizer.step() runs once per round"),
     "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "

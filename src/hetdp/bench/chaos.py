@@ -263,7 +263,8 @@ def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.chaos")
     parser.add_argument("--folder", type=Path, required=True)
     parser.add_argument("--every", type=int, required=True)
-    parser.add_argument("--repeat-a-sample-in-epoch", type=int, help=argparse.SUPPRESS)  # a fault of the data, for tests
+    # A fault of the data, for the tests of data_exact: the epoch's order repeats a sample.
+    parser.add_argument("--repeat-a-sample-in-epoch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     torch.set_num_threads(1)

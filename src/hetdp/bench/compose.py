@@ -444,8 +444,8 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
     rank keeps timed snapshots, evaluated once training is over."""
     torch.manual_seed(seed)
     net = ConvNet()
-    spec = (Partial(mode="quorum", quorum=args.quorum, sync_every=args.sync_every) if sync == "quorum" else
-            Partial(mode=sync, sync_every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
+    spec = (Partial(mode="quorum", quorum=args.quorum, every=args.sync_every) if sync == "quorum" else
+            Partial(mode=sync, every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
     policy = allocation_policy(allocation)
     if isinstance(policy, Adaptive):  # the figure compares the two axes on every rank, as it was first measured
         policy = dataclasses.replace(policy, sit_out=False)

@@ -32,7 +32,8 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
         RefusedCheckpointError: ``state`` holds an object that a checkpoint cannot carry; ``path`` is untouched.
     """
     path = Path(path)
-    return atomic_write(path, lambda handle: torch.save(state, handle), check=lambda written: _load(written, path, mmap=True))
+    return atomic_write(path, lambda handle: torch.save(state, handle),
+                        check=lambda written: _load(written, path, mmap=True))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

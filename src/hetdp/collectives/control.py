@@ -54,7 +54,7 @@ class RoundControl:
         rank, ranks: this rank in the group, and the default-group rank of every group rank (for messages).
         round_s: the round deadline, quoted in error messages.
         grace: majority mode: the part of its recent step an initiator waits for the others (``protocol.grace_s``).
-        bypass: majority mode: fire a round without its initiator when it is the only rank out (``PartialConfig``).
+        bypass: majority mode: fire a round without its initiator when it is the only rank out (``Partial``).
     """
 
     def __init__(

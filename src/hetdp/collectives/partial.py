@@ -16,17 +16,18 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from hetdp.collectives import doubling
 from hetdp.collectives.control import FLUSH, GO, IDLE_WAIT_S, LAST, POLL_S, ROLL_CALL_S, RoundControl, StoreLost
-from hetdp.collectives.protocol import MODES, Deposit, Mode, RoundBook, initiator
+from hetdp.collectives.protocol import GRACE, MODES, Deposit, Mode, RoundBook, initiator
 from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError
 from hetdp.runtime import Timeouts, defer_nccl_watchdog, group_timeout_s
 
@@ -34,8 +35,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, frozen=True)
-class PartialConfig:
-    """How a partial allreduce decides that a round may run without everyone."""
+class Partial:
+    """A partial synchronization: when a round of the allreduce may run without every rank (eager-SGD), and, as the
+    drop-in's synchronization (``hetdp.DDP(model, sync=hetdp.Partial(...))``), how often the ranks meet.
+
+    In the drop-in, each step waits for a partial allreduce of the gradients, not for every rank. A round's gradient
+    is the sample-weighted mean of the contributions it holds (fresh ones, and stale ones carried from rounds their
+    rank missed), counted as the part of a step its samples are; a rank that missed rounds applies all of them in its
+    next step. Every ``every`` steps and at each epoch's end the ranks meet: they flush the rounds in flight and
+    average their parameters (the paper's periodic model synchronization), which is also when an adaptive
+    allocation re-plans. ``PartialAllreduce.from_config`` takes the same settings for a partial allreduce of one's
+    own.
+    """
 
     mode: Mode = "majority"
     """Who fires a round: the first arrival (``solo``, wait-free), a random initiator shared by all ranks
@@ -43,31 +54,41 @@ class PartialConfig:
     not a statistic) or the last one (``full``: a synchronous allreduce)."""
     quorum: int | None = None
     """k, the arrivals a ``quorum`` round needs (1 <= k <= world size); only for ``mode="quorum"``."""
+    every: int = 0
+    """The drop-in's meetings (parameter averaging): every this many steps; 0: only at each epoch's end."""
     seed: int = 0
     """Seed of the majority initiators: every rank must use the same one."""
-    grace: float = 0.0
+    grace: float = GRACE
     """Majority mode: once arrived, the initiator waits up to this part of its recent step for the ranks still out,
     so that those only a little behind contribute fresh (see ``protocol.grace_s``). 0 fires at once, as the paper
-    does; the drop-in's ``hetdp.Partial`` waits ``protocol.GRACE`` by default, since its allocation equalizes the
-    ranks' times and so leaves many of them just behind the initiator."""
-    bypass: bool = False
+    does; with allocation equalizing the ranks' times, many arrive just after the initiator: the grace lets them in
+    fresh, and a real straggler is still not waited for."""
+    bypass: bool = True
     """Majority mode: a round whose initiator is the only rank still out, once the others waited out their grace,
     fires without it, unless that initiator was bypassed before and has not arrived at a round since (see
     ``RoundControl.arrive``). A rank late once, a transient straggler, then holds up no round; a rank late for good
     is bypassed at most once between two of its arrivals, so it falls at most about a round further behind than
     under the paper's rule. False fires only on the initiator's arrival, as the paper does."""
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    """``connect_s``: creating the group and connecting to the store. ``round_s``: how long a call waits for
-    its round (to fire, then to be reduced) before a PeerTimeoutError names the rank it waited for; also the
-    gloo timeout. ``shutdown_s``: joining the progress thread at ``close()``. Too small a ``round_s`` turns a
-    slow initiator into an error; too large one only delays the error a dead peer causes."""
+    timeouts: Timeouts | None = None
+    """``connect_s``: creating the group and connecting to the store. ``round_s``: how long a call waits for its
+    round (to fire, then to be reduced) before a PeerTimeoutError names the rank it waited for; also the gloo
+    timeout. ``shutdown_s``: joining the progress thread at ``close()``. Too small a ``round_s`` turns a slow
+    initiator into an error; too large one only delays the error a dead peer causes. None: ``Timeouts()``, and in
+    the drop-in a round waits its ``step_timeout_s``, as every step does."""
     data_backend: Literal["gloo", "nccl"] = "gloo"
     """Group that carries the data: ``gloo`` (CPU, tensors staged through host memory) or ``nccl`` (CUDA
-    tensors stay on the GPU; control still goes through gloo and the store)."""
+    tensors stay on the GPU; control still goes through gloo and the store). The drop-in takes ``nccl`` itself
+    where its group runs on NCCL."""
     bucket_mb: float = 64.0
     """A round's payload travels in allreduces of at most this many megabytes, issued together."""
+    sync_every: InitVar[int | None] = None
+    """Deprecated: ``every``."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, sync_every: int | None) -> None:
+        if sync_every is not None:
+            warnings.warn("hetdp.Partial(sync_every=K) is deprecated and goes in the next release; use "
+                          "hetdp.Partial(every=K), as hetdp.LocalAveraging(every=K)", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "every", sync_every)
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if self.mode == "quorum":
@@ -75,6 +96,8 @@ class PartialConfig:
                 raise ConfigError(f"mode='quorum' needs quorum=k, an integer >= 1; got {self.quorum!r}")
         elif self.quorum is not None:
             raise ConfigError(f"quorum={self.quorum!r} only applies to mode='quorum' (mode is {self.mode!r})")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(f"every must be an integer >= 0 steps (0: per epoch), got {self.every!r}")
         if isinstance(self.grace, bool) or not isinstance(self.grace, (int, float)) or not 0 <= self.grace < 1:
             raise ConfigError(f"grace must be a part of a step, 0 <= grace < 1; got {self.grace!r}")
         if not isinstance(self.bypass, bool):
@@ -83,6 +106,9 @@ class PartialConfig:
             raise ConfigError(f"data_backend must be 'gloo' or 'nccl', got {self.data_backend!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
+
+    def describe(self) -> str:
+        return f"quorum:{self.quorum}" if self.mode == "quorum" else self.mode
 
     def required(self, world_size: int) -> int:
         """Arrivals that fire a round: k for quorum, the world size for full, 1 otherwise.
@@ -96,6 +122,11 @@ class PartialConfig:
                 raise ConfigError(f"quorum={self.quorum} exceeds the group's {world_size} ranks; use 1..{world_size}")
             return self.quorum
         return world_size if self.mode == "full" else 1
+
+
+def PartialConfig(**settings: Any) -> Partial:  # noqa: N802 (the name of the class it replaces, for a release)
+    """Deprecated: ``hetdp.Partial``, here with the paper's round rules (no grace, no bypass) unless given."""
+    return Partial(**{"grace": 0.0, "bypass": False, **settings})
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +179,7 @@ class PartialAllreduce:
     """An allreduce that completes without waiting for every rank: solo, majority, quorum-k or full.
 
     Each call adds ``tensor`` to this rank's send buffer and arrives at the open
-    round. A round fires when its mode says so (see ``PartialConfig.mode``);
+    round. A round fires when its mode says so (see ``Partial.mode``);
     every rank then contributes what its buffer holds (fresh data, stale data
     carried from a round it missed, or zeros), and every rank receives the same
     sum. The guarantees are those of the eager-SGD paper's Lemma 6.1:
@@ -208,20 +239,19 @@ class PartialAllreduce:
         Args:
             tensor_or_numel: the tensor each call will pass (its shape, dtype and device), or its element count
                 (float32 on the CPU).
-            mode, quorum, seed, grace, bypass: see ``PartialConfig``.
+            mode, quorum, seed, grace, bypass: see ``Partial``.
             group: the ranks taking part (None: the default group).
             timeout: the round deadline (seconds or a timedelta), or a full ``Timeouts``.
 
         Raises:
             ConfigError: a bad setting, or torch.distributed is not initialized.
         """
-        config = PartialConfig(mode=mode, quorum=quorum, seed=seed, grace=grace, bypass=bypass,
-                               timeouts=_timeouts(timeout))
+        config = Partial(mode=mode, quorum=quorum, seed=seed, grace=grace, bypass=bypass, timeouts=_timeouts(timeout))
         self._start(tensor_or_numel, config, group)
 
     @classmethod
     def from_config(
-        cls, tensor_or_numel: torch.Tensor | int, config: PartialConfig, group: dist.ProcessGroup | None = None
+        cls, tensor_or_numel: torch.Tensor | int, config: Partial, group: dist.ProcessGroup | None = None
     ) -> PartialAllreduce:
         """Like the constructor, with every setting from ``config``."""
         instance = cls.__new__(cls)
@@ -231,13 +261,15 @@ class PartialAllreduce:
     # --- set-up ----------------------------------------------------------------------------------------------
 
     def _start(
-        self, tensor_or_numel: torch.Tensor | int, config: PartialConfig, group: dist.ProcessGroup | None
+        self, tensor_or_numel: torch.Tensor | int, config: Partial, group: dist.ProcessGroup | None
     ) -> None:
         self._closed = True  # until the thread runs, close() has nothing to do
         self._shape, self._dtype, self._device = _describe(tensor_or_numel)
         self.numel = int(torch.Size(self._shape).numel())
         if not dist.is_initialized():
             raise ConfigError("PartialAllreduce needs torch.distributed: call hetdp.init_distributed() first")
+        if config.timeouts is None:
+            config = dataclasses.replace(config, timeouts=Timeouts())
         if config.data_backend == "nccl" and self._device.type != "cuda":
             raise ConfigError(f"data_backend='nccl' needs a CUDA tensor, got one on {self._device}")
         self.config = config

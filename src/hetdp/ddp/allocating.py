@@ -164,8 +164,8 @@ class Allocating:
         if at_step is None:
             at_step = max(self._gather_objects(horizon, "agreeing on the first step of the set shares"))
         elif at_step < horizon:
-            raise ConfigError(f"set_shares(at_step={at_step}): this rank's loader has cut the steps up to {horizon - 1} "
-                              "already; give a later step, or leave at_step out")
+            raise ConfigError(f"set_shares(at_step={at_step}): this rank's loader has cut the steps up to "
+                              f"{horizon - 1} already; give a later step, or leave at_step out")
         self._planner.force(at_step, list(shares))
 
     @property

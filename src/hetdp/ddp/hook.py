@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 import weakref
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from hetdp.collectives.paths import Paths
 from hetdp.errors import ConfigError
 from hetdp.figures.clock import StepClock
+from hetdp.runtime import Timeouts
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.gradient_sum import GradientSum
@@ -97,10 +99,14 @@ def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, 
     if len(kinds) != 1:
         raise ConfigError(f"partial synchronization needs trainable parameters of one dtype and device, got {kinds}")
     like = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    config = spec.partial_config()
+    if spec.timeouts is not None:
+        warnings.warn("hetdp.Partial(timeouts=...) in hetdp.DDP is deprecated and goes in the next release: a round "
+                      "is the step's exchange, so it waits hetdp.DDP(step_timeout_s=...), as every step does",
+                      DeprecationWarning, stacklevel=4)
+    config = dataclasses.replace(spec, timeouts=spec.timeouts or Timeouts(round_s=timeout_s))
     if dist.get_backend(group) == "nccl":  # every rank's gradient is on a GPU: the rounds' data stays there
         config = dataclasses.replace(config, data_backend="nccl")
-    return PartialGradients(like, config, group, sync_every=spec.sync_every, timeout_s=timeout_s)
+    return PartialGradients(like, config, group, every=spec.every, timeout_s=timeout_s)
 
 
 def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any], world_size: int) -> dict[str, Any]:

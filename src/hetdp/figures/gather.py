@@ -154,7 +154,7 @@ class Planner:
 
     def meets_after(self, ticket: StepTicket, wanted: bool) -> bool:
         """Whether the ranks will meet after the step of ``ticket`` (every rank gives the same answer): every
-        ``sync_every`` steps, at the epoch's end, and where ``wanted`` (before a checkpoint). Knowing it before the
+        ``every`` steps, at the epoch's end, and where ``wanted`` (before a checkpoint). Knowing it before the
         step's gradient lets the synchronization complete the step everywhere first."""
         if self.synchronizer.meets_every_step:
             return False

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetdp.collectives.partial import PartialAllreduce, PartialConfig, PartialResult
+from hetdp.collectives.partial import Partial, PartialAllreduce, PartialResult
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import average_parameters
 from hetdp.sync.base import Synchronizer
@@ -78,7 +78,7 @@ class PartialGradients(Synchronizer):
     (``combine``); the loop's ``optimizer.step()`` then runs once per round the
     step holds (``RoundSteps``), so a rank that catches up on several rounds moves
     its replica as the ranks that received them one by one, whatever the
-    optimizer's state. Every ``sync_every`` steps and at each epoch's end the ranks
+    optimizer's state. Every ``every`` steps and at each epoch's end the ranks
     *meet*: the step before contributes in a flush, so every rank applies every
     round still in flight in that step, and then they average their parameters,
     which removes what little drift is left (clipping by norm clips a caught-up
@@ -91,10 +91,10 @@ class PartialGradients(Synchronizer):
     def __init__(
         self,
         like: torch.Tensor | int,
-        config: PartialConfig,
+        config: Partial,
         group: dist.ProcessGroup | None = None,
         *,
-        sync_every: int = 0,
+        every: int = 0,
         timeout_s: float = 60.0,
     ) -> None:
         """Start the partial allreduce for gradients shaped like ``like`` (or of that many elements).
@@ -103,7 +103,7 @@ class PartialGradients(Synchronizer):
             like: a flat gradient (its dtype and device), or its element count (float32 on the CPU).
             config: the partial allreduce's mode, quorum, seed and timeouts.
             group: the ranks taking part (None: the default group).
-            sync_every: as the drop-in's synchronization, steps between meetings (0: per epoch only).
+            every: as the drop-in's synchronization, steps between meetings (0: per epoch only).
             timeout_s: deadline of a meeting's parameter averaging.
         """
         numel = like if isinstance(like, int) else like.numel()
@@ -115,7 +115,7 @@ class PartialGradients(Synchronizer):
         self.partial = PartialAllreduce.from_config(payload, config, group)
         self.world_size = self.partial.world_size
         self.group = group
-        self.sync_every = sync_every
+        self.every = every
         self.timeout_s = timeout_s
         self._buckets: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
         self._round_steps: RoundSteps | None = None
@@ -210,7 +210,7 @@ class PartialGradients(Synchronizer):
         return pending
 
     def due(self, steps_since_meeting: int) -> bool:
-        return self.sync_every > 0 and steps_since_meeting >= self.sync_every
+        return self.every > 0 and steps_since_meeting >= self.every
 
     def standby(self, done: Callable[[], bool], timeout_s: float) -> float:
         """Keep the rounds firing until ``done()``: between steps, this rank joins each round with nothing (0

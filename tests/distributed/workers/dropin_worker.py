@@ -205,7 +205,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
     elif scenario == "partial":
         # Partial synchronization with a straggler: rounds weigh samples, replicas meet at every epoch's end.
         straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=20.0)
-        for sync in (hetdp.Partial(mode="majority", sync_every=5), "solo", "local:3"):
+        for sync in (hetdp.Partial(mode="majority", every=5), "solo", "local:3"):
             model = hetdp.DDP(make_model(), "adaptive", sync, emulation=straggling)
             loader = model.allocate(loader_for(Pairs(320), batch_size=8))
             windows = record_replan_windows(model.allocator)
@@ -225,7 +225,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         # several steps makes it receive several rounds in one step. The loop also meets once unannounced
         # (synchronize), where ranks still carry different rounds: from there on, the sums agree again.
         straggling = dataclasses.replace(emulation, straggler_count=1, straggler_delay_ms=60.0)
-        for sync, unannounced in ((hetdp.Partial(mode="majority", sync_every=4), 6), (hetdp.Partial(mode="solo"), 5)):
+        for sync, unannounced in ((hetdp.Partial(mode="majority", every=4), 6), (hetdp.Partial(mode="solo"), 5)):
             model = hetdp.DDP(make_model(), "equal", sync, emulation=straggling)
             loader = model.allocate(loader_for(Pairs(300), batch_size=8))  # 10 steps
             optimizer = make_optimizer(model, "sgd")

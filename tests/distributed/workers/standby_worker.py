@@ -14,14 +14,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetdp.collectives.partial import PartialConfig
+from hetdp.collectives.partial import Partial
 from hetdp.runtime import Timeouts
 from hetdp.sync.partial import PartialGradients
 
 
 def run(mode: str, calls: int, wait: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = PartialConfig(mode=mode, quorum=2 if mode == "quorum" else None, seed=1, timeouts=Timeouts(round_s=10.0))
+    config = Partial(mode=mode, quorum=2 if mode == "quorum" else None, seed=1, grace=0.0, bypass=False,
+                     timeouts=Timeouts(round_s=10.0))
     gradients = PartialGradients(3, config)
     mine = torch.tensor([float(rank)])
     rows = [torch.empty(1) for _ in range(world)]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hetdp
-from hetdp import ConfigError, HetDPError, PartialAllreduce, PartialConfig, PartialResult, Timeouts
+from hetdp import ConfigError, HetDPError, Partial, PartialAllreduce, PartialResult, Timeouts
 
 
 def _partial_threads() -> list[str]:
@@ -30,15 +30,15 @@ def _partial_threads() -> list[str]:
 )
 def test_bad_settings_are_config_errors_naming_the_value(settings, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        PartialConfig(**settings)
+        Partial(**settings)
 
 
 def test_required_arrivals_per_mode():
-    assert PartialConfig(mode="solo").required(4) == 1
-    assert PartialConfig(mode="quorum", quorum=3).required(4) == 3
-    assert PartialConfig(mode="full").required(4) == 4
+    assert Partial(mode="solo").required(4) == 1
+    assert Partial(mode="quorum", quorum=3).required(4) == 3
+    assert Partial(mode="full").required(4) == 4
     with pytest.raises(ConfigError, match="exceeds the group's 4 ranks"):
-        PartialConfig(mode="quorum", quorum=5).required(4)
+        Partial(mode="quorum", quorum=5).required(4)
 
 
 def test_needs_torch_distributed():
@@ -107,5 +107,5 @@ def test_an_error_inside_the_context_is_reported_to_the_others_and_closes(one_ra
 
 
 def test_the_public_names_are_exported():
-    for name in ("PartialAllreduce", "PartialConfig", "PartialResult"):
+    for name in ("Partial", "PartialAllreduce", "PartialResult"):
         assert name in hetdp.__all__

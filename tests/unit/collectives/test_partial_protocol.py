@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import Counter
 
@@ -10,11 +11,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hetdp
 from hetdp.cluster.emulate import Emulation
-from hetdp.collectives.partial import PartialConfig
+from hetdp.collectives.partial import Partial, PartialAllreduce
 from hetdp.collectives.protocol import GRACE, RoundBook, fires, grace_s, initiator
 from hetdp.errors import ConfigError
-from hetdp.sync.policy import Partial
 
 
 def test_initiator_is_a_pure_function_of_seed_and_round():
@@ -137,21 +138,29 @@ def test_a_grace_never_exceeds_its_part_of_the_longest_step(steps, grace):
 @pytest.mark.parametrize("grace", [-0.1, 1.0, True, "0.1"])
 def test_a_grace_outside_a_step_is_one_clear_error(grace):
     with pytest.raises(ConfigError, match="grace"):
-        PartialConfig(grace=grace)
+        Partial(grace=grace)
 
 
 def test_the_drop_ins_majority_waits_its_grace_and_the_papers_collective_does_not():
-    assert PartialConfig().grace == 0.0
-    assert Partial().partial_config().grace == GRACE > 0
-    assert Partial(grace=0.0).partial_config().grace == 0.0
+    assert Partial().grace == GRACE > 0
+    assert Partial(grace=0.0).grace == 0.0
+    assert inspect.signature(PartialAllreduce).parameters["grace"].default == 0.0
 
 
 def test_the_drop_ins_majority_bypasses_a_lone_late_initiator_and_the_papers_collective_does_not():
-    assert PartialConfig().bypass is False
-    assert Partial().partial_config().bypass is True
-    assert Partial(bypass=False).partial_config().bypass is False
+    assert Partial().bypass is True
+    assert Partial(bypass=False).bypass is False
+    assert inspect.signature(PartialAllreduce).parameters["bypass"].default is False
 
 
 def test_a_bypass_that_is_not_a_bool_is_one_clear_error():
     with pytest.raises(ConfigError, match="bypass must be True or False"):
-        PartialConfig(bypass="yes")
+        Partial(bypass="yes")
+
+
+def test_the_old_names_keep_working_for_a_release_with_the_papers_rules():
+    with pytest.warns(DeprecationWarning, match="use hetdp.Partial"):
+        config = hetdp.PartialConfig(mode="solo")
+    assert config == Partial(mode="solo", grace=0.0, bypass=False)
+    with pytest.warns(DeprecationWarning, match=r"hetdp.Partial\(every=K\)"):
+        assert Partial(sync_every=3).every == 3
