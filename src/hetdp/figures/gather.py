@@ -124,7 +124,7 @@ class Planner:
         self._pending: list[EndedStep] = []
         """This rank's steps since the last gather."""
         self._planning: _PlanningGather | None = None
-        """The planning gather in flight, if any: under partial and local synchronization, or while ranks sit out."""
+        """The gather in flight in the background, if any (``_start_planning``)."""
         self.sitting: Members | None = None
         """Under allreduce, who takes part in each step (``SitOut``), set by the model."""
 
