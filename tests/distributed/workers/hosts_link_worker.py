@@ -37,8 +37,8 @@ def main() -> None:
         link = cluster.devices[1]
         (args.out / "probe.json").write_text(json.dumps({"bandwidth_mbps": link.bandwidth_mbps,
                                                          "latency_ms": link.latency_ms}))
-    wide = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    model = hetdp.DDP(wide, "equal", step_timeout_s=args.step_timeout)  # 4.4 MB of gradient every step
+    wide = nn.Sequential(nn.Linear(64, 700), nn.ReLU(), nn.Linear(700, 700), nn.ReLU(), nn.Linear(700, 10))
+    model = hetdp.DDP(wide, "equal", step_timeout_s=args.step_timeout)  # 2.2 MB of gradient every step
     data = TensorDataset(torch.randn(16 * args.steps, 64), torch.randint(0, 10, (16 * args.steps,)))
     loader = model.allocate(DataLoader(data, batch_size=8, sampler=DistributedSampler(data)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
