@@ -6,14 +6,17 @@ host taken off the network mid-run is named with its node. Skipped, with the rea
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
 from hetdp.hosts import EmulatedHosts, HostsUnavailable, Topology, check_available
+from hetdp.hosts.topology import Names
 
 from .conftest import WORKERS
 
@@ -103,12 +106,36 @@ def test_a_node_whose_peers_never_come_gives_up_in_one_line(tmp_path):
     script = tmp_path / "never.py"
     script.write_text("raise SystemExit('never run: node 0 never came')\n")
     with EmulatedHosts(Topology.flat(2)) as hosts:
-        alone = hosts.start(1, hetdp_run(1, 1, script, join_timeout_s=5))
+        alone = hosts.start(1, hetdp_run(1, 1, script, join_timeout_s=2))
         alone.wait(timeout=150)
         output = hosts.output(1)
     assert alone.returncode == 2, output
     error = [line for line in output.splitlines() if line.startswith("hetdp run: error:")]
     assert len(error) == 1 and "Traceback" not in output, output
-    assert error[0].startswith(f"hetdp run: error: node 1: could not meet node 0 at {ENDPOINT} within 5 s ("), error
+    assert error[0].startswith(f"hetdp run: error: node 1: could not meet node 0 at {ENDPOINT} within 2 s ("), error
     assert error[0].endswith("is node 0 started, is 10.44.0.1 its address as this node reaches it, and is the port "
                              "open?"), error
+
+
+@pytest.mark.timeout(60)
+def test_hosts_are_removed_after_a_failed_command_and_a_dead_runs_leftovers_before_a_new_set():
+    dead = max(psutil.pids()) + 10_000  # no process has this id
+    leftover = Names(dead)
+    subprocess.run(["ip", "netns", "add", leftover.namespace(0)], check=True)
+    subprocess.run(["ip", "link", "add", leftover.site_bridge(0), "type", "bridge"], check=True)
+    with pytest.raises(RuntimeError, match="the caller's own error"), EmulatedHosts(Topology.flat(2)) as hosts:
+        assert leftover.namespace(0) not in _listed(["ip", "netns", "list"])
+        assert leftover.site_bridge(0) not in _listed(["ip", "-o", "link", "show"])
+        done = hosts.run([["sh", "-c", "exit 3"], ["ip", "-o", "-4", "addr", "show", "eth0"]], timeout_s=30)
+        assert [result.returncode for result in done] == [3, 0] and "10.44.0.2/24" in done[1].stdout
+        raise RuntimeError("the caller's own error")
+    assert not any(name.startswith(f"hdp{hosts.names.owner}") for name in
+                   _listed(["ip", "netns", "list"]) + _listed(["ip", "-o", "link", "show"]))
+
+
+def _listed(command: list[str]) -> list[str]:
+    """The names in an `ip netns list` or `ip -o link show` listing."""
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    if command[1] == "netns":
+        return [line.split()[0] for line in lines if line.split()]
+    return [line.split(":")[1].strip().split("@")[0] for line in lines if line.count(":") >= 2]
