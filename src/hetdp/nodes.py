@@ -18,10 +18,14 @@ import math
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 
 from hetdp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 ENV_NODE = "HETDP_NODE"
 """This node's label in a launch across nodes (``node 1 (10.0.0.2)``), set for its workers by the launcher."""
@@ -159,7 +163,7 @@ def this_node() -> str | None:
     return os.environ.get(ENV_NODE)
 
 
-def _store_client() -> object | None:
+def _store_client() -> Store | None:
     """A client of the launch's store (``MASTER_ADDR``/``MASTER_PORT``), or None if there is none or it is gone."""
     from torch import distributed as dist
 

@@ -26,11 +26,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetdp.cluster.emulate import parse_speeds
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.report import LaunchProgress, format_table
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hetdp.hosts import Topology
 
 METHODS = ("cadp", "ddp", "adaptive", "local_sgd")
 """The compared runs, in the order they run."""
@@ -73,7 +78,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "sample_cost_ms": args.sample_cost_ms, "hidden": args.hidden, "epochs": epochs, "seed": args.seed}
 
 
-def topology(settings: dict[str, Any]) -> Any:
+def topology(settings: dict[str, Any]) -> Topology:
+    """Hosts 0 and 1 at the fast site; hosts 2 and 3 behind the slow uplink; every host behind its own link."""
     from hetdp.hosts import Site, Topology
 
     return Topology(sites=(Site(hosts=2, rate_mbit=settings["rate_mbit"]),
@@ -191,7 +197,7 @@ def _node(host: int, folder: Path) -> int:
     return done.returncode
 
 
-def mlp(hidden: int, seed: int) -> Any:
+def mlp(hidden: int, seed: int) -> nn.Module:
     """The benchmark's model: digits (8x8) through two hidden layers of ``hidden`` units; the same on every rank."""
     import torch
     from torch import nn
