@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import ClassVar, Self
 
 import psutil
 
@@ -114,9 +114,15 @@ class EmulatedHosts:
                                f"{hosts.addresses[0]}:29500", "-n", "2", "train.py"] for k in range(2)],
                              timeout_s=300)
 
+    One set is open at a time in a process: its names carry the process's id.
+
     Raises:
         HostsUnavailable: (on entry) this machine cannot build them; the message says why.
+        HetDPError: (on entry) another set is open in this process.
     """
+
+    _open_in_process: ClassVar[int | None] = None
+    """The id of the process whose set is open, if any (a forked child starts with none open)."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
@@ -127,6 +133,8 @@ class EmulatedHosts:
         self._logs = tempfile.TemporaryDirectory(prefix="hetdp-hosts-")
 
     def __enter__(self) -> Self:
+        if EmulatedHosts._open_in_process == os.getpid():
+            raise HetDPError("another set of emulated hosts is open in this process; close it first")
         check_available()
         removed = remove_leftovers()
         if removed:
@@ -138,6 +146,7 @@ class EmulatedHosts:
         except BaseException:
             self._tear_down()
             raise
+        EmulatedHosts._open_in_process = os.getpid()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -150,6 +159,7 @@ class EmulatedHosts:
             self._tear_down()
         finally:
             self._logs.cleanup()
+            EmulatedHosts._open_in_process = None
 
     def start(self, host: int, command: Sequence[str], *, env: Mapping[str, str] | None = None,
               cwd: str | Path | None = None) -> subprocess.Popen[bytes]:
