@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import hetdp
 
 SIZE = 96
-"""Samples in the dataset; a step takes 4 per rank, 16 in all on 4 ranks."""
+"""Samples in the dataset; a step takes 4 per rank."""
 
 
 def make_data() -> TensorDataset:
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1)
-    parser.add_argument("--die-rank", type=int, default=3)
+    parser.add_argument("--die-rank", type=int, default=1)
     args = parser.parse_args()
 
     hetdp.init_distributed("gloo")
