@@ -1,4 +1,5 @@
-"""Value types of command-line flags, shared by the command line and the benchmarks it runs."""
+"""Command-line parsing shared by the ``hetdp`` command, the benchmarks it runs and ``python -m`` tools: a parser whose
+errors are one line, and value types of flags."""
 
 from __future__ import annotations
 
@@ -14,3 +15,10 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``hetdp run: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")

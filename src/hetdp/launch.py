@@ -7,7 +7,8 @@ traceback; any other exception prints its traceback once, on the rank that
 raised it (not on the ranks stopped after it), and the launch ends in one line
 naming that rank, with its exit code, instead of torchrun's tracebacks and
 failure summary. Both travel through environment variables, so the workers
-start exactly as under torchrun.
+start exactly as under torchrun. A launch across nodes (``nodes``) runs this
+node's ranks; its failures name each rank's node too (see :mod:`hetdp.nodes`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 import psutil
 
-from hetdp.errors import ConfigError, HetDPError, WorkerError
+from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError, WorkerError
+from hetdp.nodes import Nodes, node_of, publish_node, this_node
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
@@ -45,19 +47,28 @@ SHUTDOWN_S = 5.0
 stopped (SIGSTOP) or wedged worker never acts on torchrun's SIGTERM, and torchrun waits 30 s before its own SIGKILL
 (on torch 2.13 its ``--shutdown-timeout`` does not reach a failed group's teardown)."""
 
+ENV_WORKER_CPP_LOG = "HETDP_WORKER_CPP_LOG_LEVEL"
+"""The user's ``TORCH_CPP_LOG_LEVEL`` (empty: unset), handed to the workers of a launch across nodes, whose torchrun
+runs at FATAL: a rendezvous that failed is told in one line, not in c10d's stack traces of every retry."""
+NO_RANK = -1
+"""The rank of a failure report that no worker wrote: the node's rendezvous failed before any rank existed."""
+
 Event = dict[str, Any]
 
 
 def torchrun_command(
-    target: str | Path, nproc: int, args: Sequence[str] = (), *, module: bool = False, report_errors: bool = False
+    target: str | Path, nproc: int, args: Sequence[str] = (), *, module: bool = False, report_errors: bool = False,
+    nodes: Nodes | None = None, attempt: int = 0,
 ) -> list[str]:
-    """The command line that runs ``target`` (a script, or a module if ``module``) on ``nproc`` local ranks.
+    """The command line that runs ``target`` (a script, or a module if ``module``) on ``nproc`` local ranks, of this
+    node's part of a launch across ``nodes`` (None: a one-node launch) in restart ``attempt``.
 
     With ``report_errors``, torchrun and every worker run under this module, which turns a worker's
     HetDPError into a report in ``$HETDP_ERRORS`` (see :func:`run_local`).
     """
     runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
-    command = [sys.executable, *runner, "--standalone", f"--nproc-per-node={nproc}"]
+    where = ["--standalone"] if nodes is None else nodes.torchrun_args(attempt)
+    command = [sys.executable, *runner, *where, f"--nproc-per-node={nproc}"]
     # "--" ends torchrun's options: its parser would otherwise take a script flag that abbreviates one of its own
     # (a script's --signal read as --signals-to-handle).
     if report_errors:
@@ -81,14 +92,16 @@ def run_local(
     report_errors: bool = False,
     max_restarts: int = 0,
     on_restart: Callable[[int, int], None] | None = None,
+    nodes: Nodes | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``target`` on ``nproc`` local ranks and wait; kill the whole process group past ``timeout_s``.
 
     With ``max_restarts``, a failed launch (a worker killed, crashed, or timed out on a silent peer) is
     started again from scratch, up to that many times: torchrun itself tears the group down, and each
-    attempt is a fresh torchrun on a new rendezvous (a free port), since torchrun's own restarts cannot
-    re-form a gloo group on torch 2.13. Workers read the attempt from ``$HETDP_RESTART`` and resume from
-    their checkpoint. A ConfigError is the user's to fix, and is not retried.
+    attempt is a fresh torchrun on a new rendezvous (a free port; across nodes, the endpoint's port plus
+    the attempt, so that every node's launcher meets the others there), since torchrun's own restarts
+    cannot re-form a gloo group on torch 2.13. Workers read the attempt from ``$HETDP_RESTART`` and resume
+    from their checkpoint. A ConfigError is the user's to fix, and is not retried.
 
     Args:
         target: a script path, or a module name with ``module=True``.
@@ -102,17 +115,22 @@ def run_local(
         report_errors: a worker that raises a HetDPError exits with code 2 and no traceback, one that
             raises another exception prints its traceback once (the ranks that fail after it, none), and
             this call raises a WorkerError naming the first rank that failed instead.
+        nodes: this node's place in a launch across several (None: every rank is local). Every node
+            runs this call with its own ``nodes.rank``; ``nproc`` is this node's ranks.
 
     Raises:
+        ConfigError: (with ``nodes``) no route to node 0, or a bad ``GLOO_SOCKET_IFNAME``.
         HetDPError: the workers were still running after ``timeout_s`` seconds.
-        WorkerError: (with ``report_errors``) a worker raised; its message, rank and exit code.
+        WorkerError: (with ``report_errors``) a worker raised, or this node's rendezvous failed; its message,
+            rank and exit code.
     """
+    node_env = nodes.worker_env() if nodes is not None else {}
     attempt = 0
     while True:
-        restart_env = {**(env or {}), ENV_RESTART: str(attempt)}
+        restart_env = {**(env or {}), **node_env, ENV_RESTART: str(attempt)}
         completed = _launch_once(target, nproc, args, module=module, env=restart_env, timeout_s=timeout_s,
                                  capture=capture, follow=follow, report_errors=report_errors,
-                                 last=attempt == max_restarts)
+                                 last=attempt == max_restarts, nodes=nodes, attempt=attempt)
         if completed.returncode == 0 or attempt == max_restarts:
             return completed
         attempt += 1
@@ -132,6 +150,8 @@ def _launch_once(
     follow: Callable[[list[Event]], None] | None,
     report_errors: bool,
     last: bool,
+    nodes: Nodes | None,
+    attempt: int,
 ) -> subprocess.CompletedProcess[str]:
     """One torchrun of ``target``. A worker's failure is raised where no restart can get past it (a ConfigError)
     or none is left (``last``); a timeout raises in ``_wait``."""
@@ -146,15 +166,22 @@ def _launch_once(
         if report_errors:
             errors.mkdir()
             full_env[ENV_ERRORS] = str(errors)
-        command = torchrun_command(target, nproc, args, module=module, report_errors=report_errors)
+            if nodes is not None:
+                full_env[ENV_WORKER_CPP_LOG] = full_env.get("TORCH_CPP_LOG_LEVEL", "")
+                full_env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        command = torchrun_command(target, nproc, args, module=module, report_errors=report_errors, nodes=nodes,
+                                   attempt=attempt)
         poll = (lambda: follow(events.read())) if follow is not None else (lambda: None)
         failed = (lambda: any(errors.glob("rank-*.json"))) if report_errors else (lambda: False)
-        completed = _wait(command, full_env, timeout_s, capture, poll, failed, f"{target} on {nproc} ranks")
+        where = f" of node {nodes.rank}" if nodes is not None else ""
+        completed = _wait(command, full_env, timeout_s, capture, poll, failed, f"{target} on {nproc} ranks{where}")
         if completed.returncode != 0 and report_errors:
             failure = first_failure(errors)
             if failure is not None and (last or not failure.retry):
-                raise WorkerError(failure.message, rank=failure.rank, exit_code=failure.exit_code,
-                                  output=completed.stdout)
+                message = failure.message
+                if failure.rank == NO_RANK and nodes is not None:
+                    message = nodes.describe_join_failure(attempt, message)
+                raise WorkerError(message, rank=failure.rank, exit_code=failure.exit_code, output=completed.stdout)
         return completed
 
 
@@ -231,10 +258,12 @@ class EventWriter:
     Creating it tells the launcher that the workers are up (an event that advances
     nothing). A no-op when the launch does not follow events or ``enabled`` is
     false (give ``enabled=rank == 0`` so that one rank speaks for the group).
+    ``path``: the log to append to instead of ``$HETDP_EVENTS`` (a launch across
+    emulated hosts, followed by the process that made them).
     """
 
-    def __init__(self, enabled: bool = True) -> None:
-        path = os.environ.get(ENV_EVENTS)
+    def __init__(self, enabled: bool = True, path: str | Path | None = None) -> None:
+        path = path or os.environ.get(ENV_EVENTS)
         self._path = Path(path) if enabled and path else None
         self.update(0)
 
@@ -300,6 +329,10 @@ def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = Fal
 def report_error(error: HetDPError) -> bool:
     """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    culprit = error.rank if isinstance(error, PeerTimeoutError) else None
+    if culprit is not None and this_node() is not None and str(culprit) != os.environ.get("RANK", "0"):
+        label = node_of(culprit, os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0")))
+        text += f"; rank {culprit} ran on {label}" if label is not None else ""
     return _report(text, exit_code=2, retry=not isinstance(error, ConfigError))
 
 
@@ -321,6 +354,13 @@ def first_failure(folder: Path) -> Failure | None:
                    retry=all(report["retry"] for report in reports))
 
 
+def _rank_label(rank: int | str | None = None) -> str:
+    """``rank`` (default: this worker's) as a failure names it: with its node in a launch across nodes."""
+    rank = os.environ.get("RANK", "0") if rank is None else rank
+    node = this_node()
+    return f"rank {rank}" if node is None else f"rank {rank} on {node}"
+
+
 def _others_stopped() -> str:
     """What a worker's failure did to the rest of the launch, as its report's message ends."""
     return "; the other ranks were stopped" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -335,7 +375,7 @@ def _fail(error: BaseException, exit_code: int) -> None:
     text = str(error).splitlines()[0] if str(error) else ""
     consequence = is_peer_failure(error)  # a collective of the script's own that a failed peer broke off
     first = not consequence and _first_to_fail()
-    _report(f"rank {os.environ.get('RANK', '0')} failed with {type(error).__name__}{': ' if text else ''}{text}"
+    _report(f"{_rank_label()} failed with {type(error).__name__}{': ' if text else ''}{text}"
             f"{_others_stopped()}", exit_code=exit_code, retry=True, names_rank=True, first=first,
             consequence=consequence)
     if first:
@@ -361,6 +401,8 @@ def _worker(argv: list[str]) -> None:
     module = argv[0] == "-m"
     target, rest = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *rest]
+    if this_node() is not None:
+        publish_node()
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -373,7 +415,7 @@ def _worker(argv: list[str]) -> None:
         sys.exit(2)
     except SystemExit as error:
         if error.code not in (0, None):
-            _report(f"rank {os.environ.get('RANK', '0')} exited with {error.code!r}{_others_stopped()}",
+            _report(f"{_rank_label()} exited with {error.code!r}{_others_stopped()}",
                     exit_code=error.code if isinstance(error.code, int) else 1, retry=True, names_rank=True)
         else:
             _warn_if_settings_unused()
@@ -410,14 +452,24 @@ def _torchrun(argv: list[str]) -> None:
     """torchrun, minus its logs and failure summary when a worker fails: the worker's report says it in one line,
     and a worker that died without one (killed, crashed) gets a report here, from torchrun's first observed
     failure."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # "Sending process ... closing signal", "failed"
+    worker_level = os.environ.pop(ENV_WORKER_CPP_LOG, None)
+    if worker_level is not None:  # this process read FATAL as it started; its workers log as the user asked
+        os.environ.pop("TORCH_CPP_LOG_LEVEL")
+        if worker_level:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = worker_level
     try:
         main(argv)
+    except DistError as error:  # the rendezvous of a launch across nodes: the others never came, or never answered
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        _report(text, exit_code=2, retry=True, names_rank=True, rank=NO_RANK)
+        sys.exit(2)
     except ChildFailedError as error:
         folder = Path(os.environ[ENV_ERRORS])
         reported = _reported(folder)
@@ -427,7 +479,7 @@ def _torchrun(argv: list[str]) -> None:
             died = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
             stopped = "; the other ranks were stopped" if len(error.failures) > 1 else ""
             exit_code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
-            _report(f"rank {rank} died ({died}){stopped}", exit_code=exit_code, retry=True, names_rank=True,
+            _report(f"{_rank_label(rank)} died ({died}){stopped}", exit_code=exit_code, retry=True, names_rank=True,
                     rank=rank)
             reported = _reported(folder)
         sys.exit(reported[0]["exit_code"])

@@ -26,5 +26,8 @@ BENCHMARKS: dict[str, str] = {
            "pairing against the GPU alone (needs a CUDA GPU)",
     "frameworks": "hetdp under Lightning, Accelerate and transformers' Trainer on emulated speeds 1,1,2,4: epoch "
                   "speedup over each framework's DDP split, shares reached, parameter gap to one process",
+    "links": "C-ADP and the drop-in over real rate-limited links between 4 emulated hosts (network namespaces, two "
+             "sites, a 50 Mbit uplink): probed links, C-ADP's predicted vs measured epoch, speedup over DDP (needs "
+             "root)",
 }
 """Benchmark name -> one-line description; the module is ``hetdp.bench.<name>``."""

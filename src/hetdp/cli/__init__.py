@@ -15,16 +15,10 @@ import sys
 from collections.abc import Sequence
 
 from hetdp.errors import HetDPError, WorkerError
+from hetdp.flags import OneLineParser
 
 COMMANDS = ("demo", "run", "plan", "probe", "bench", "simulate")
 """Sub-command modules under ``hetdp.cli``, in the order ``hetdp --help`` lists them."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (``hetdp run: error: ...``) and exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def require_command(parser: argparse.ArgumentParser, metavar: str, dest: str) -> argparse._SubParsersAction:

@@ -1,9 +1,11 @@
-"""``hetdp probe -n N``: measure N local ranks as a C-ADP cluster and write the cluster file.
+"""``hetdp probe -n N``: measure N local ranks, or the ranks of several nodes, as a C-ADP cluster and write the
+cluster file.
 
-The ranks train the reference ConvNet on digits samples; ``--speeds`` and the
-link flags make them unequal, as ``hetdp run`` does, so a one-machine probe
-yields a heterogeneous cluster file. On a real cluster, call
-:func:`hetdp.probe_cluster` from a script launched with torchrun instead.
+The ranks train the reference ConvNet on digits samples. Each link from rank 0
+is timed with real transfers between the ranks; across nodes (``--nnodes``, as
+``hetdp run`` takes it) that is the network between them. On one machine,
+``--speeds`` and the link flags make the ranks unequal, as ``hetdp run`` does,
+so a one-machine probe yields a heterogeneous cluster file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hetdp.cli.run import add_node_arguments, nodes_from_args
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.flags import positive_int
@@ -27,10 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "probe",
         help="measure N local ranks (batch time, memory, links from rank 0) and write a cluster file",
-        description="Launch N local ranks, time each one's batches and its link from rank 0 (the data owner), "
-        "estimate its memory per sample, and write a cluster file that `hetdp plan` reads.",
+        description="Launch N local ranks (or this node's N ranks of a launch across several, --nnodes), time each "
+        "one's batches and its link from rank 0 (the data owner) with real transfers, estimate its memory per "
+        "sample, and write a cluster file that `hetdp plan` reads. Across nodes, node 0 writes the file.",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
+    add_node_arguments(parser)
     parser.add_argument("--speeds", metavar="V1,V2,...", help="emulated relative speed of each rank, e.g. 4,4,1,1")
     parser.add_argument(
         "--sample-cost-ms", type=float, default=0.0, metavar="MS",
@@ -38,7 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B", help="batch size to time (default 32)")
     parser.add_argument(
-        "--bandwidths-mbps", metavar="B0,B1,...", help="emulated link of each rank from rank 0, Mb/s (rank 0's: inf)"
+        "--bandwidths-mbps", metavar="B0,B1,...",
+        help="emulated link of each rank from rank 0, Mb/s (rank 0's: inf), added to the real one (default: the "
+        "real links alone)"
     )
     parser.add_argument("--latencies-ms", metavar="L0,L1,...", help="emulated one-way latency of each link, ms")
     parser.add_argument("--sample-bytes", type=float, metavar="BYTES",
@@ -47,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="samples `hetdp plan` distributes by default (default: the digits training set it times)")
     parser.add_argument("--repeats", type=positive_int, default=5, metavar="N",
                         help="timed batches and round trips (default 5)")
+    parser.add_argument("--payload-mb", type=float, default=4.0, metavar="MB",
+                        help="size of the timed transfer, MB (default 4; larger is more precise on a fast link)")
     parser.add_argument("--out", default="cluster.toml", metavar="PATH", help="cluster file to write (default cluster.toml)")
     parser.set_defaults(handler=run)
 
@@ -74,7 +83,8 @@ def parse_per_rank(text: str | None, flag: str, nproc: int, *, positive: bool) -
 
 
 def run(args: argparse.Namespace) -> int:
-    nproc = args.nproc
+    nodes = nodes_from_args(args)
+    nproc = args.nproc * (nodes.count if nodes is not None else 1)
     speeds = parse_speeds(args.speeds, nproc) if args.speeds else None
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms)
     bandwidths = parse_per_rank(args.bandwidths_mbps, "--bandwidths-mbps", nproc, positive=True)
@@ -83,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidths = [math.inf] * nproc
     if args.sample_bytes is not None and not args.sample_bytes >= 0:
         raise ConfigError(f"--sample-bytes must be >= 0, got {args.sample_bytes!r}")
+    if not args.payload_mb * 1e6 >= 4:
+        raise ConfigError(f"--payload-mb must be at least 4 bytes' worth, got {args.payload_mb!r}")
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out needs a file path, got the folder {str(out)!r}")
@@ -92,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "bandwidths_mbps": bandwidths,
         "latencies_ms": latencies,
         "sample_bytes": args.sample_bytes,
+        "payload_bytes": int(args.payload_mb * 1e6),
         "dataset_size": args.dataset_size,
         "out": str(out.resolve()),
     }
@@ -99,11 +112,14 @@ def run(args: argparse.Namespace) -> int:
         path = Path(folder) / "settings.json"
         path.write_text(json.dumps(settings))
         worker = ["--worker", str(path)]
-        with LaunchProgress(1, "probing", nproc=nproc, unit="probe") as progress:
-            done = run_local("hetdp.cli.probe", nproc, worker, module=True, env=emulation.to_env(), timeout_s=600,
-                             follow=progress, report_errors=True)
+        with LaunchProgress(1, "probing", nproc=args.nproc, unit="probe") as progress:
+            done = run_local("hetdp.cli.probe", args.nproc, worker, module=True, env=emulation.to_env(),
+                             timeout_s=600, follow=progress, report_errors=True, nodes=nodes)
     if done.returncode != 0:
         raise HetDPError(f"the probe workers exited with code {done.returncode} (their output is above)")
+    if nodes is not None and nodes.rank != 0:
+        print(f"node {nodes.rank}: probed; node 0 wrote the cluster file")
+        return 0
     from hetdp.cluster.spec import ClusterSpec
 
     cluster = ClusterSpec.from_toml(out)
@@ -120,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         }
         for d in cluster.devices
     ]
-    title = (f"probed {nproc} ranks (b = {cluster.sample_bytes:g} B per sample, M_m = {cluster.model_bytes:g} B of "
+    title = (f"probed {len(cluster.devices)} ranks (b = {cluster.sample_bytes:g} B per sample, M_m = {cluster.model_bytes:g} B of "
              f"model, D = {cluster.dataset_size} samples)")
     print(format_table(rows, title=title))
     print("batch s: seconds per batch, forward and backward; Mb/s and latency ms: the link from rank 0, the data "
@@ -159,6 +175,7 @@ def _worker(settings_path: Path) -> None:
         repeats=settings["repeats"],
         pings=settings["repeats"],
         sample_bytes=settings["sample_bytes"],
+        payload_bytes=settings["payload_bytes"],
     )
     cluster = probe_cluster(ConvNet(), inputs[:256], targets[:256], config, links=links)
     cluster = dataclasses.replace(cluster, dataset_size=settings["dataset_size"] or len(train))

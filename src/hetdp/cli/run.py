@@ -1,9 +1,11 @@
-"""``hetdp run -n N script.py ...``: a thin wrapper over torch.distributed.run with emulated heterogeneity."""
+"""``hetdp run -n N script.py ...``: a thin wrapper over torch.distributed.run with emulated heterogeneity, on one
+node or, with ``--nnodes``, on several."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, p
 from hetdp.errors import ConfigError
 from hetdp.flags import positive_int
 from hetdp.launch import run_local
+from hetdp.nodes import Nodes, parse_endpoint
 from hetdp.sync.policy import ENV_SYNC, sync_policy
 
 
@@ -36,6 +39,32 @@ def add_emulation_arguments(parser: argparse.ArgumentParser) -> None:
     devices.add_argument("--knee", metavar="N,...", help="batch at which throughput saturates, per rank (0: none)")
     devices.add_argument("--max-batch", metavar="N,...", help="memory cap: most samples per forward, per rank (0: none)")
     devices.add_argument("--micro-overhead-ms", metavar="MS,...", help="cost of each micro-batch, per rank")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that place this node in a launch across several; shared by `run` and `probe`."""
+    nodes = parser.add_argument_group("several nodes (run the same command on every node, each with its --node-rank)")
+    nodes.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="nodes in the launch (default 1)")
+    nodes.add_argument("--node-rank", type=int, metavar="K",
+                       help="this node, from 0 to N-1; node 0 hosts the rendezvous and its ranks come first")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]",
+                       help="node 0's address as every node reaches it, and a free port there (default port 29500; "
+                       "a restart k meets at PORT+k)")
+    nodes.add_argument("--join-timeout-s", type=float, default=180.0, metavar="S",
+                       help="give up, in one line, when not every node joined within S seconds (default 180)")
+
+
+def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
+    """This node's place in a launch across several, or None for a one-node launch; raises ConfigError naming the
+    missing or bad flag."""
+    if args.nnodes == 1 and args.node_rank in (None, 0) and args.rdzv_endpoint is None:
+        return None
+    if args.rdzv_endpoint is None or args.node_rank is None:
+        raise ConfigError(f"--nnodes {args.nnodes} needs --node-rank (this node, 0 to {args.nnodes - 1}) and "
+                          f"--rdzv-endpoint (node 0's HOST:PORT), the same endpoint on every node")
+    host, port = parse_endpoint(args.rdzv_endpoint)
+    return Nodes(count=args.nnodes, rank=args.node_rank, master_addr=host, master_port=port,
+                 join_timeout_s=args.join_timeout_s)
 
 
 def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
@@ -79,10 +108,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
         help="launch a training script on N local ranks (torchrun) with emulated heterogeneity",
-        description="Launch SCRIPT on N local ranks through torch.distributed.run. "
-        "Emulation settings reach every rank through the environment (hetdp.Emulation.from_env).",
+        description="Launch SCRIPT on N local ranks through torch.distributed.run, or this node's N ranks of a "
+        "launch across several nodes (--nnodes). Emulation settings reach every rank through the environment "
+        "(hetdp.Emulation.from_env); across nodes, the per-rank flags give one value per global rank.",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
+    add_node_arguments(parser)
     add_emulation_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the straggler draws (default 0)")
     parser.add_argument("--allocation", metavar="POLICY",
@@ -100,7 +131,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    emulation = emulation_from_args(args, args.nproc)
+    nodes = nodes_from_args(args)
+    emulation = emulation_from_args(args, args.nproc * (nodes.count if nodes is not None else 1))
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script not found: {script}")
@@ -111,10 +143,12 @@ def run(args: argparse.Namespace) -> int:
     if args.sync:
         sync_policy(args.sync)
         env[ENV_SYNC] = args.sync
+    announce = functools.partial(_announce_restart, nodes)
     return run_local(script, args.nproc, args.script_args, env=env, report_errors=True,
-                     max_restarts=args.max_restarts, on_restart=_announce_restart).returncode
+                     max_restarts=args.max_restarts, on_restart=announce, nodes=nodes).returncode
 
 
-def _announce_restart(attempt: int, returncode: int) -> None:
-    print(f"hetdp run: the workers failed (exit {returncode}); restart {attempt}, on a new rendezvous",
+def _announce_restart(nodes: Nodes | None, attempt: int, returncode: int) -> None:
+    where = "" if nodes is None else f" at {nodes.master_addr}:{nodes.port(attempt)}"
+    print(f"hetdp run: the workers failed (exit {returncode}); restart {attempt}, on a new rendezvous{where}",
           file=sys.stderr, flush=True)

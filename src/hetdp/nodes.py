@@ -1,0 +1,202 @@
+"""One launch across several nodes: where they meet, which interface this node speaks on, which node holds a rank.
+
+``hetdp run --nnodes N --node-rank K --rdzv-endpoint HOST:PORT`` runs torchrun's static rendezvous: node 0
+hosts the store at HOST:PORT, and node K's ranks follow node K-1's, so a rank's node never depends on which node
+joined first. The three things that hang a first multi-node launch are handled here: the store's address is the
+endpoint the user gave (never this machine's hostname, which several machines, or namespaces, may share), gloo
+speaks on the interface that routes to the endpoint (``GLOO_SOCKET_IFNAME``; without it gloo binds to whatever the
+hostname resolves to, often 127.0.0.1), and a node that waits for the others gives up after ``join_timeout_s``
+with one line instead of torchrun's ten minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import psutil
+
+from hetdp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+ENV_NODE = "HETDP_NODE"
+"""This node's label in a launch across nodes (``node 1 (10.0.0.2)``), set for its workers by the launcher."""
+DEFAULT_PORT = 29500
+"""The rendezvous port when ``--rdzv-endpoint`` gives none (torchrun's)."""
+NODE_KEY = "hetdp/node/"
+"""Prefix of the store keys where every rank leaves its node's label, for the launchers of other nodes."""
+STORE_TIMEOUT_S = 3.0
+"""Longest wait for the store when leaving or reading a node's label: it only adds a name to a message."""
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (an IPv6 address in brackets) as (host, port); the port defaults to ``DEFAULT_PORT``.
+
+    Raises:
+        ConfigError: no host, or a port that is not an integer from 1 to 65535.
+    """
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    port = DEFAULT_PORT
+    if port_text:
+        try:
+            port = int(port_text)
+        except ValueError:
+            port = 0
+    if not host or not 1 <= port <= 65535:
+        raise ConfigError(f"--rdzv-endpoint must look like HOST:PORT (node 0's address, a port from 1 to 65535), "
+                          f"got {text!r}")
+    return host, port
+
+
+def route_to(host: str, port: int) -> tuple[str, str]:
+    """(this machine's address, its interface) on the way to ``host``: what the kernel would send from.
+
+    Raises:
+        ConfigError: ``host`` does not resolve, or no route leads to it.
+    """
+    try:
+        family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(target)  # a datagram socket's connect sends nothing: it only picks the route
+            local = probe.getsockname()[0]
+    except OSError as error:
+        raise ConfigError(f"no route from this node to the rendezvous endpoint {host}:{port} "
+                          f"({error.strerror or error})") from error
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == local for entry in addresses):
+            return local, name
+    raise ConfigError(f"this node reaches {host} from {local}, which no interface holds")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(kw_only=True, frozen=True)
+class Nodes:
+    """This node's place in a launch across ``count`` nodes."""
+
+    count: int
+    """Nodes in the launch (``--nnodes``)."""
+    rank: int
+    """This node, from 0 (``--node-rank``); node 0 hosts the rendezvous store."""
+    master_addr: str
+    """Node 0's address, as every node reaches it (the host of ``--rdzv-endpoint``)."""
+    master_port: int = DEFAULT_PORT
+    """The store's port on node 0; a restart's attempt k meets at ``master_port + k``."""
+    join_timeout_s: float = 180.0
+    """Seconds a node waits for all the others at the rendezvous before it gives up, naming the endpoint."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ConfigError(f"--nnodes must be a positive integer, got {self.count!r}")
+        if not 0 <= self.rank < self.count:
+            raise ConfigError(f"--node-rank must be from 0 to {self.count - 1} with --nnodes {self.count}, "
+                              f"got {self.rank!r}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"the rendezvous port must be from 1 to 65535, got {self.master_port!r}")
+        if not (self.join_timeout_s > 0 and math.isfinite(self.join_timeout_s)):
+            raise ConfigError(f"--join-timeout-s must be > 0 seconds, got {self.join_timeout_s!r}")
+        if self.count > 1 and is_loopback(self.master_addr):
+            raise ConfigError(f"--rdzv-endpoint {self.master_addr} is this machine's loopback, which the other nodes "
+                              f"cannot reach: give node 0's address on the network the nodes share")
+
+    def port(self, attempt: int) -> int:
+        """The store's port for restart ``attempt``: each attempt meets afresh, on a port of its own."""
+        return self.master_port + attempt
+
+    def torchrun_args(self, attempt: int) -> list[str]:
+        """torchrun's options for this node's part of restart ``attempt`` (static rendezvous)."""
+        return ["--nnodes", str(self.count), "--node-rank", str(self.rank), "--master-addr", self.master_addr,
+                "--master-port", str(self.port(attempt)), "--rdzv-conf", f"timeout={math.ceil(self.join_timeout_s)}"]
+
+    def worker_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+        """The variables this node's workers need: its label, and gloo's interface unless the user chose one.
+
+        Raises:
+            ConfigError: no route to node 0, or a ``GLOO_SOCKET_IFNAME`` that names no interface of this machine.
+        """
+        environ = dict(os.environ) if environ is None else environ
+        local, interface = route_to(self.master_addr, self.master_port)
+        env = {ENV_NODE: f"node {self.rank} ({local})"}
+        chosen = environ.get("GLOO_SOCKET_IFNAME")
+        if chosen:
+            unknown = [name for name in chosen.split(",") if name not in psutil.net_if_addrs()]
+            if unknown:
+                raise ConfigError(f"GLOO_SOCKET_IFNAME names {', '.join(unknown)}, which this node does not have "
+                                  f"(its interfaces: {', '.join(sorted(psutil.net_if_addrs()))}); unset it to use "
+                                  f"{interface}, the one that reaches {self.master_addr}")
+        elif self.count > 1:
+            env["GLOO_SOCKET_IFNAME"] = interface
+        return env
+
+    def describe_join_failure(self, attempt: int, error: BaseException) -> str:
+        """One line for a rendezvous that did not gather every node within ``join_timeout_s``."""
+        endpoint = f"{self.master_addr}:{self.port(attempt)}"
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if self.rank == 0:
+            return (f"node 0: not every node joined the rendezvous at {endpoint} within {self.join_timeout_s:g} s "
+                    f"({cause}); start every node with --nnodes {self.count}, its own --node-rank and this "
+                    f"--rdzv-endpoint")
+        return (f"node {self.rank}: could not meet node 0 at {endpoint} within {self.join_timeout_s:g} s ({cause}); "
+                f"is node 0 started, is {self.master_addr} its address as this node reaches it, and is the port open?")
+
+
+def this_node() -> str | None:
+    """This worker's node label, in a launch across nodes (None in a one-node launch)."""
+    return os.environ.get(ENV_NODE)
+
+
+def _store_client() -> Store | None:
+    """A client of the launch's store (``MASTER_ADDR``/``MASTER_PORT``), or None if there is none or it is gone."""
+    from torch import distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (host and port):
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def publish_node() -> None:
+    """Leave this worker's node label in the launch's store under its rank, for other nodes' error messages; a
+    store that does not answer costs the label, never the run."""
+    label, rank = this_node(), os.environ.get("RANK")
+    store = _store_client() if label and rank is not None else None
+    if store is not None:
+        with contextlib.suppress(RuntimeError):
+            store.set(f"{NODE_KEY}{rank}", label)
+
+
+def node_of(rank: int, master_addr: str, master_port: int) -> str | None:
+    """The node label that ``rank`` left in the store at ``master_addr:master_port``; None if it left none or the
+    store does not answer (its node hosted the store and is gone)."""
+    from torch import distributed as dist
+
+    if not (master_addr and master_port):
+        return None
+    try:
+        store = dist.TCPStore(master_addr, master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        key = f"{NODE_KEY}{rank}"
+        return store.get(key).decode() if store.check([key]) else None
+    except (RuntimeError, ValueError):
+        return None
