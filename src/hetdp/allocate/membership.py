@@ -122,13 +122,13 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     if sorted(best) != chosen and priced(best) <= (1.0 - max(gain, NOISE_MARGIN * noise)) * priced(current):
         chosen = sorted(best)
     return Membership(tuple(chosen), priced(chosen),
-                      {rank: _why_out(rank, chosen, speeds, total, measured, minimum) for rank in range(len(speeds))
+                      {rank: why_out(rank, chosen, speeds, total, measured, minimum) for rank in range(len(speeds))
                        if rank not in chosen})
 
 
-def _why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,
-             measured: Mapping[int, float], minimum: int) -> str:
-    """What ``rank`` would save and cost, said in one line."""
+def why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,
+            measured: Mapping[int, float], minimum: int = 1) -> str:
+    """What ``rank`` would save and cost beside ``members``, said in one line."""
     saves_s = compute_s(members, sample_s, total, minimum) - compute_s([*members, rank], sample_s, total, minimum)
     adds_s = exchange_s(len(members) + 1, measured) - exchange_s(len(members), measured)
     saves = f"would save {1000 * saves_s:.1f} ms of compute per step" if saves_s > 0 else "would save no compute"

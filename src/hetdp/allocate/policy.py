@@ -22,7 +22,7 @@ import numpy as np
 
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
-from hetdp.allocate.membership import GAIN, NOISE_MARGIN, choose_members
+from hetdp.allocate.membership import GAIN, NOISE_MARGIN, choose_members, why_out
 from hetdp.allocate.planner import plan
 from hetdp.cluster.spec import ClusterSpec
 from hetdp.errors import ConfigError
@@ -456,14 +456,27 @@ class Allocator:
         if list(decision.members) == self.members:
             self.sat_out = decision.sat_out
             return False
-        if not settled or self._was_refused(decision.members):
-            return False  # too soon after the last change to tell a gain from noise, or measured slower before
+        if not settled:  # too soon after the last change to tell a gain from noise
+            self._hold(decision.members, f"held out until the members have run {MEMBERSHIP_STEPS} steps since the "
+                                         "last change")
+            return False
+        if self._was_refused(decision.members):
+            self._hold(decision.members, "held out: the group measured slower with it than without it")
+            return False
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves
         self._trial = None if now_s is None else _Trial(list(self.members), now_s, dict(self.sat_out),
                                                         list(self.sample_s))
         self._switch(decision.members, decision.sat_out)
         return True
+
+    def _hold(self, proposed: Sequence[int], why: str) -> None:
+        """Keep today's members although the model proposes ``proposed``: each rank out says what it would save and
+        cost beside today's members, and those the model would bring back say why they stay out."""
+        speeds: list[float] = self.sample_s  # type: ignore[assignment]  (every rank measured: a decision was made)
+        self.sat_out = {rank: why_out(rank, self.members, speeds, self.total, self.exchange_s, self.minimum)
+                        + (f"; {why}" if rank in proposed else "")
+                        for rank in range(self.world_size) if rank not in self.members}
 
     def _switch(self, members: Sequence[int], sat_out: dict[int, str]) -> None:
         """Make ``members`` the exchange's, and start the rule afresh over them from their speeds."""

@@ -234,3 +234,16 @@ def test_a_change_that_measures_slower_than_the_members_before_it_is_undone_and_
     changes = [after for before, after in itertools.pairwise(memberships) if before != after]
     assert changes == [(3,), (0, 1, 2, 3)], changes
 
+
+
+def test_a_rank_held_out_after_a_recent_change_says_so_rather_than_contradict_its_figures():
+    allocator = Allocator(Adaptive(), 4, 256, membership=True)
+    _window(allocator, [0.0001, 0.01, 0.01, 0.01], 0.02)
+    assert allocator.members == [0]
+    _window(allocator, [0.01, 0.01, 0.01, 0.01], 0.0)  # the fast rank slows down two steps after the change
+    assert allocator.members == [0]
+    why = allocator.sat_out[1]
+    assert "would save" in why and f"held out until the members have run {MEMBERSHIP_STEPS} steps" in why
+    for _ in range(MEMBERSHIP_STEPS // 2):
+        _window(allocator, [0.01, 0.01, 0.01, 0.01], 0.0)
+    assert allocator.members == [0, 1, 2, 3] and allocator.sat_out == {}
