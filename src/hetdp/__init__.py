@@ -6,9 +6,6 @@ an allocation (who computes how much: equal, static, adaptive, planned) and a
 synchronization (how contributions combine: allreduce, partial, local).
 """
 
-import importlib
-import warnings
-
 import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
 from hetdp.allocate.apportion import apportion
@@ -68,32 +65,3 @@ __all__ = [
     "plan",
     "probe_cluster",
 ]
-
-_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples), hetdp.DDP(model, "
-         'hetdp.Planned(cluster), "local") and model.allocate(loader, own_data=True) over each rank\'s own samples '
-         "(examples/cadp_train.py)")
-
-_ALLOCATED = ('hetdp.DDP(model, allocation, "allreduce"), model.allocate(loader, accumulates=True) and '
-              "model.checkpointer(folder, optimizer) in your own loop (examples/allocation_train.py)")
-
-_DEPRECATED = {
-    "AllocatedTrainer": ("hetdp.train.allocation", _ALLOCATED),
-    "AllocationConfig": ("hetdp.train.allocation", _ALLOCATED),
-    "CadpConfig": ("hetdp.train.cadp", _CADP),
-    "CadpResult": ("hetdp.train.cadp", _CADP),
-    "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
-                 "in your own loop: its optimizer.step() runs once per round"),
-    "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
-                                   "by the shares"),
-    "train_cadp": ("hetdp.train.cadp", _CADP),
-}
-"""Names that left the public API, with their module and their replacement: they keep working for a release."""
-
-
-def __getattr__(name: str) -> object:
-    if name not in _DEPRECATED:
-        raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
-    module, replacement = _DEPRECATED[name]
-    warnings.warn(f"hetdp.{name} is deprecated and goes in the next release; use {replacement}", DeprecationWarning,
-                  stacklevel=2)
-    return getattr(importlib.import_module(module), name)
