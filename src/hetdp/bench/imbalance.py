@@ -225,46 +225,57 @@ def _buckets(frames: np.ndarray, mine: np.ndarray, batch: int, seed: int, epoch:
     return [buckets[i] for i in order]
 
 
+def _paced_by_frames(steps: list[list[np.ndarray]], frames: np.ndarray, frame_ms: float) -> Emulation:
+    """The drop-in's emulation, pacing every rank's step ``k`` (its batch ``steps[rank][k]``) to what the batch's
+    longest sequence costs, ``frame_ms`` a frame: the LSTM runs over the padded batch.
+
+    The step's speed is its samples per frame of that sequence, so that samples x
+    ``frame_ms`` / speed lasts its frames. The drop-in pads at the gradient's last
+    bucket, so the exchange follows the emulated compute, as on a real device.
+    """
+    if frame_ms == 0:
+        return Emulation()
+    speeds = [tuple(len(per_rank[k]) / int(frames[per_rank[k]].max()) for per_rank in steps)
+              for k in range(len(steps[0]))]
+    return Emulation(sample_cost_ms=frame_ms, speed_changes=tuple(enumerate(speeds)))
+
+
 def _train(args: argparse.Namespace, mode: str, train: tuple, progress: tqdm) -> dict[str, Any]:
     """One run of ``mode`` through the drop-in: every rank runs the same steps on its own length-bucketed batches."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sequences, labels, frames = train
-    mine = np.random.default_rng([args.seed, 1]).permutation(len(labels))[rank::world_size]
-    emulation = Emulation(sample_cost_ms=args.frame_ms)
+    order = np.random.default_rng([args.seed, 1]).permutation(len(labels))
+    steps = [[bucket for epoch in range(args.epochs)
+              for bucket in _buckets(frames, order[r::world_size], args.batch, args.seed, epoch, r)]
+             for r in range(world_size)]
     torch.manual_seed(args.seed)
     net = SequenceClassifier()
     optimizer = torch.optim.Adam(net.parameters(), lr=5e-3)
     rounds = [0]
     optimizer.register_step_post_hook(lambda *_: rounds.__setitem__(0, rounds[0] + 1))  # once per round applied
-    # The step is paced here, to its longest sequence, not by the drop-in's emulation, which paces samples.
-    model = DDP(net, "equal", SYNC[mode], emulation=Emulation())
-    steps_per_epoch = len(mine) // args.batch
-    snapshot_every = max(1, steps_per_epoch // SNAPSHOTS_PER_EPOCH)
+    model = DDP(net, "equal", SYNC[mode], emulation=_paced_by_frames(steps, frames, args.frame_ms))
+    snapshot_every = max(1, len(steps[rank]) // args.epochs // SNAPSHOTS_PER_EPOCH)
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
     dist.barrier()
     started = time.perf_counter()
-    step = 0
-    for epoch in range(args.epochs):
-        for bucket in _buckets(frames, mine, args.batch, args.seed, epoch, rank):
-            model.begin_step(len(bucket), len(bucket) * world_size)
-            # A step costs what its longest sequence does (the LSTM runs over the padded batch).
-            with emulation.compute(rank, int(frames[bucket].max())):
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model([sequences[i] for i in bucket]), labels[bucket]).backward()
-            optimizer.step()
-            model.end_step()
-            step += 1
-            if rank == 0 and step % snapshot_every == 0:
-                # Rank 0's replica after the rounds it applied so far: keep a copy, evaluated after training so
-                # evaluation never delays the run.
-                snapshots.append((time.perf_counter() - started, {k: v.clone() for k, v in net.state_dict().items()}))
-            progress.update()
+    for step, bucket in enumerate(steps[rank], start=1):
+        model.begin_step(len(bucket), len(bucket) * world_size)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model([sequences[i] for i in bucket]), labels[bucket]).backward()
+        optimizer.step()
+        model.end_step()
+        if rank == 0 and step % snapshot_every == 0:
+            # Rank 0's replica after the rounds it applied so far: keep a copy, evaluated after training so
+            # evaluation never delays the run.
+            snapshots.append((time.perf_counter() - started, {k: v.clone() for k, v in net.state_dict().items()}))
+        progress.update()
     model.end_epoch()  # the ranks meet: partial synchronization applies the rounds in flight everywhere
     wall_s = time.perf_counter() - started
     model.close()
     walls: list[Any] = [None] * world_size
     dist.all_gather_object(walls, wall_s)
-    return {"model": net, "snapshots": snapshots, "wall_s": max(walls), "steps": step, "rounds": rounds[0]}
+    return {"model": net, "snapshots": snapshots, "wall_s": max(walls), "steps": len(steps[rank]),
+            "rounds": rounds[0]}
 
 
 class _Sequences(Dataset):
