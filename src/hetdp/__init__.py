@@ -68,28 +68,13 @@ __all__ = [
     "plan",
     "probe_cluster",
 ]
-
-_CADP = ("hetdp.plan(cluster, ...) on the data owner, hetdp.distribute(dataset, plan.samples), hetdp.DDP(model, "
-         'hetdp.Planned(cluster), "local") and model.allocate(loader, own_data=True) over each rank\'s own samples '
-         "(examples/cadp_train.py)")
-
-_ALLOCATED = ('hetdp.DDP(model, allocation, "allreduce"), model.allocate(loader, accumulates=True) and '
-              "model.checkpointer(folder, optimizer) in your own loop (examples/allocation_train.py)")
-
 _DEPRECATED = {
-    "AllocatedTrainer": ("hetdp.train.allocation", _ALLOCATED),
-    "AllocationConfig": ("hetdp.train.allocation", _ALLOCATED),
-    "CadpConfig": ("hetdp.train.cadp", _CADP),
-    "CadpResult": ("hetdp.train.cadp", _CADP),
     "PartialConfig": ("hetdp.collectives.partial", "hetdp.Partial(...), whose grace=0.0 and bypass=False are the "
                       "paper's round rules (its own defaults are the drop-in's)"),
-    "EagerSGD": ("hetdp.train.eager", 'hetdp.DDP(model, "equal", "majority") (or "solo", "quorum:K", hetdp.Partial(...)) '
-                 "in your own loop: its optimizer.step() runs once per round"),
-    "WeightedDistributedSampler": ("hetdp.allocate.sampler", "model.allocate(loader), whose StepSampler cuts every step "
-                                   "by the shares"),
-    "train_cadp": ("hetdp.train.cadp", _CADP),
 }
-"""Names that left the public API, with their module and their replacement: they keep working for a release."""
+"""Names that left the public API, with their module and their replacement: they keep working for a release.
+(``AllocatedTrainer``, ``EagerSGD``, ``train_cadp`` and ``WeightedDistributedSampler``, deprecated a release ago,
+are gone: every technique is a pairing on ``hetdp.DDP``.)"""
 
 
 def __getattr__(name: str) -> object:

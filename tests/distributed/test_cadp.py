@@ -115,16 +115,7 @@ def test_per_step_gradient_allreduce_equals_one_process_on_the_union_of_the_batc
             torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
 
 
-def test_times_are_reported_on_every_rank_within_the_call(out):
-    for rank in range(RANKS):
-        figures = report(out, rank)
-        for name in ("cadp", "ddp"):
-            send_s, train_s, wall_s = figures[name]["send_s"], figures[name]["train_s"], figures[name]["wall_s"]
-            assert 0 < send_s and 0 < train_s and send_s + train_s <= wall_s  # T_send, T_train: parts of the call
-            assert figures[name]["plan"] == report(out, 0)[name]["plan"]
-
-
-def test_a_device_planned_no_samples_sits_out_while_the_others_train_and_merge(out):
+def test_a_device_planned_no_samples_stays_out_of_the_drop_ins_group_while_the_others_train_and_merge(out):
     figures = [report(out, rank)["sits_out"] for rank in range(RANKS)]
     assert [f["samples"] for f in figures] == [20, SIZE - 20, 0]
     assert [f["epochs"] for f in figures] == [2, 2, 0]
@@ -143,7 +134,7 @@ def test_a_data_owner_that_does_not_train_holds_no_samples_and_stays_out_of_the_
         assert "own_data=True needs samples on every rank, got [0, 20, 27]" in figures["error"]
 
 
-def test_a_plan_that_does_not_fit_the_dataset_fails_on_every_rank(out):
+def test_a_plan_that_does_not_fit_the_dataset_fails_its_delivery_on_every_rank(out):
     for rank in range(RANKS):
         message = report(out, rank)["bad_plan"]
-        assert message is not None and "30 samples but the dataset has 47" in message
+        assert message is not None and "samples sum to 30 but the owner's dataset has 47" in message

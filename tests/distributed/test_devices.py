@@ -72,12 +72,13 @@ def test_a_global_batch_above_the_caps_is_a_config_error_on_every_rank(results):
         assert "a global batch of 20 does not fit under the ranks' memory caps [3, 5, 6]" in figures["too_big"]["error"]
 
 
-def test_the_trainer_takes_each_ranks_emulated_cap_and_runs_micro_batches_under_it(results):
+def test_accumulated_shares_stay_uncapped_and_each_micro_batch_under_the_emulated_cap_counts_as_a_forward(results):
     _, per_rank = results
     for rank, figures in enumerate(per_rank):
-        trainer = figures["trainer"]
-        assert trainer["caps"] == [3, 5, None] and trainer["shares"] == [8, 8, 8]
-        assert trainer["forwards"] == [3, 2, 1][rank]  # ceil(8 / cap) near-equal micro-batches
+        steps = figures["micro_batches"]
+        assert steps["shares"] == [8, 8, 8]  # above the caps of 3 and 5: the loop accumulates
+        assert steps["forwards"] == [[3, 2, 1][rank]] * 2  # ceil(8 / cap) near-equal micro-batches, every step
+        assert steps["memory_warnings"] == []  # no forward above its rank's emulated memory
 
 
 def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path):

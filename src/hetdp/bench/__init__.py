@@ -10,7 +10,8 @@ BENCHMARKS: dict[str, str] = {
     "cadp": "C-ADP vs equal-split DDP and local SGD on emulated geo-distributed devices (digits at 150 KB/sample)",
     "planner": "C-ADP planners on random heterogeneous clusters of 8 to 10,000 devices: exact vs ALM, objective and time",
     "collectives": "latency of solo / majority / quorum partial allreduce vs all_reduce under skew (eager-SGD Fig. 8)",
-    "eager": "EagerSGD (solo, majority) vs synchronous SGD with one random straggler per step (eager-SGD Fig. 10)",
+    "eager": "eager-SGD's solo and majority partial allreduce vs synchronous SGD with one random straggler per step "
+             "(eager-SGD Fig. 10)",
     "imbalance": "LSTM on variable-length sequences: time to accuracy of sync vs solo vs majority (eager-SGD Fig. 13), "
                  "and count- vs cost-balanced steps",
     "devices": "adaptive allocation on emulated devices (fixed costs, knees, memory caps): paper's rule vs piecewise",

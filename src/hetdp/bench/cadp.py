@@ -4,10 +4,13 @@ GPU-like and CPU-like devices (batch times 10x apart) sit behind links from
 1 Gb/s to 50 Mb/s; each digits image is priced as a 150 KB ImageNet image on
 the wire, so delivering the data weighs as in the C-ADP paper's experiments.
 All three methods run in one torchrun launch, one after the other, from the
-same initial model, each through the drop-in (``hetdp.DDP`` with ``"local"``
-or ``"allreduce"``, fed each rank's own delivered data); every compute and
-transfer is paced by the emulation, so the measured times can be set against
-the cost model's predictions.
+same initial model, each as C-ADP runs: rank 0, the data owner, plans each
+device's share (``hetdp.plan``, or an equal split) and sends it once
+(``hetdp.distribute``), and every device trains its own samples through the
+drop-in (``hetdp.DDP`` with ``"local"`` or ``"allreduce"`` and
+``model.allocate(loader, own_data=True)``). Every compute and transfer is paced
+by the emulation, the model's trips over the links included, so the measured
+T_send and T_train can be set against the cost model's predictions.
 """
 
 from __future__ import annotations
@@ -17,10 +20,24 @@ import json
 import math
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hetdp.cluster.spec import ClusterSpec, DeviceSpec
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+import hetdp
+from hetdp import ClusterSpec, DeviceSpec, Plan
+from hetdp.allocate.planner import evaluate
+from hetdp.bench.datasets import load_digits
+from hetdp.bench.models import ConvNet, accuracy
+from hetdp.cluster.devices import per_sample_ms
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
@@ -28,8 +45,12 @@ from hetdp.report import format_table
 METHODS = ("ddp", "local_sgd", "cadp")
 """The compared runs, in table order."""
 
-SETTINGS = {"ddp": ("equal", "step"), "local_sgd": ("equal", "epoch"), "cadp": ("planned", "epoch")}
-"""Each run's (allocation, sync) in CadpConfig terms: DDP merges gradients every step, the others every epoch."""
+SETTINGS = {"ddp": ("equal", "allreduce"), "local_sgd": ("equal", "local"), "cadp": ("planned", "local")}
+"""Each run's allocation (of the data: planned by C-ADP, or split equally) and its drop-in synchronization: DDP
+combines gradients every step, the others merge the models every epoch."""
+
+TIMEOUT_S = 60.0
+"""Seconds a delivery or a step may wait beyond twice its planned time; past them, PeerTimeoutError names the rank."""
 
 PROFILES = (
     # name, batch_time_s at batch 32, bandwidth_mbps from the owner, latency_ms
@@ -91,8 +112,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epochs = args.epochs or (5 if args.quick else 10)
     if epochs < 1 or args.batch_size < 1 or not args.sample_kb >= 0 or not args.lr > 0:
         raise ConfigError("--epochs, --batch-size and --lr must be positive and --sample-kb >= 0")
-    from hetdp.bench.models import ConvNet
-
     model_bytes = float(sum(p.numel() * p.element_size() for p in ConvNet().parameters()))
     sample_bytes = args.sample_kb * 1000
     cluster = bench_cluster(nproc, sample_bytes=sample_bytes, batch_size=args.batch_size, model_bytes=model_bytes)
@@ -181,57 +200,106 @@ def render(result: dict[str, Any]) -> str:
 
 def _worker(folder: Path) -> None:
     """One rank of the benchmark: train every method in turn; rank 0 writes ``results.json``."""
-    import torch
-    import torch.distributed as dist
-
-    from hetdp.bench.datasets import load_digits
-    from hetdp.bench.models import ConvNet, accuracy
-    from hetdp.runtime import init_distributed
-    from hetdp.train.cadp import CadpConfig, train_cadp
-
-    rank, _ = init_distributed()
+    rank, _ = hetdp.init_distributed()
     torch.set_num_threads(1)
     settings = json.loads((folder / "settings.json").read_text())
     cluster = ClusterSpec.from_toml(folder / "cluster.toml")
     split = load_digits(seed=settings["seed"]) if rank == 0 else None  # only the data owner holds the data
-    progress = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(METHODS) * settings["epochs"], desc="bench cadp", unit="epoch", file=sys.stderr)
+    progress = tqdm(total=len(METHODS) * settings["epochs"], desc="bench cadp", unit="epoch", file=sys.stderr,
+                    disable=None if rank == 0 else True)
     results = {}
     for method in METHODS:
-        allocation, sync = SETTINGS[method]
-        config = CadpConfig(
-            epochs=settings["epochs"],
-            allocation=allocation,
-            method=settings["method"],
-            sync=sync,
-            emulate=True,
-            seed=settings["seed"],
-        )
+        progress.set_postfix_str(method)
         torch.manual_seed(settings["seed"])
-        model = ConvNet()
-        optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
-        if progress is not None:
-            progress.set_postfix_str(method)
-        outcome = train_cadp(
-            model,
-            optimizer,
-            split.train if rank == 0 else None,
-            cluster,
-            config,
-            on_epoch=(lambda stats: progress.update()) if progress is not None else None,
-        )
-        if rank == 0:
-            figures = outcome.to_dict()
-            figures["batches"] = [d.batches for d in outcome.plan.devices]
-            figures["accuracy"] = accuracy(model, split.test)
-            results[method] = figures
+        net = ConvNet()
+        figures = _run(method, net, split.train if split is not None else None, cluster, settings, progress.update)
+        if split is not None:
+            results[method] = {**figures, "accuracy": accuracy(net, split.test)}
+    progress.close()
     if rank == 0:
-        progress.close()
         (folder / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _run(method: str, net: nn.Module, dataset: TensorDataset | None, cluster: ClusterSpec, settings: dict[str, Any],
+         on_epoch: Callable[[], object]) -> dict[str, Any]:
+    """One method as C-ADP runs: the owner plans and delivers once, each device trains its own samples; the paper's
+    T_send and T_train (Table 3) measured around each part, from and to the moment every rank is there."""
+    allocation, sync = SETTINGS[method]
+    plan = _owner_plan(allocation, dataset, cluster, settings)
+    delivery_s = [_link_s(device, n * cluster.sample_bytes) for device, n in zip(cluster.devices, plan.samples)]
+    dist.barrier()
+    started = time.perf_counter()
+    # Deadlines grow with the planned work, so that a long but healthy delivery or epoch is never cut short.
+    local = hetdp.distribute(dataset, plan.samples, transfer_s=delivery_s, seed=settings["seed"],
+                             timeout_s=TIMEOUT_S + 2 * max(delivery_s))
+    dist.barrier()
+    delivered = time.perf_counter()
+    # A device the plan gives no samples sits the training out (C-ADP: D_i = 0), outside the drop-in's group.
+    trains = [rank for rank, samples in enumerate(plan.samples) if samples > 0]
+    group = None if len(trains) == len(plan.samples) else dist.new_group(trains)
+    if dist.get_rank() in trains:
+        members = replace(cluster, devices=tuple(cluster.devices[rank] for rank in trains))
+        policy = hetdp.Planned(members) if allocation == "planned" else "equal"
+        with hetdp.DDP(net.to(local.data.tensors[0].device), policy, sync, emulation=_emulation(members),
+                       step_timeout_s=TIMEOUT_S + 2 * plan.epoch_s, process_group=group) as model:
+            _train(model, local.data, members, sync, settings, on_epoch)
+        if group is not None:
+            dist.destroy_process_group(group)
+    dist.barrier()
+    send_s, train_s = delivered - started, time.perf_counter() - delivered
+    return {"samples": plan.samples, "batches": [device.batches for device in plan.devices], "send_s": send_s,
+            "train_s": train_s, "total_s": send_s + train_s, "predicted_send_s": plan.send_s,
+            "predicted_total_s": plan.total_s}
+
+
+def _owner_plan(allocation: str, dataset: TensorDataset | None, cluster: ClusterSpec, settings: dict[str, Any]
+                ) -> Plan:
+    """Rank 0, the data owner, chooses D_1..D_N (C-ADP eq. 7, or an equal split priced by the same cost model);
+    every rank receives its plan."""
+    planned: list[Plan | None] = [None]
+    if dist.get_rank() == 0:
+        size, epochs = len(dataset), settings["epochs"]
+        planned[0] = (hetdp.plan(cluster, size, epochs, method=settings["method"]) if allocation == "planned" else
+                      evaluate(cluster, hetdp.apportion([1.0] * len(cluster.devices), size, minimum=0), epochs))
+    dist.broadcast_object_list(planned, src=0)
+    return planned[0]
+
+
+def _train(model: hetdp.DDP, data: TensorDataset, cluster: ClusterSpec, sync: str, settings: dict[str, Any],
+           on_epoch: Callable[[], object]) -> None:
+    """The drop-in's loop over this device's own samples, each epoch in batches of its own size.
+
+    The drop-in emulates compute, not links: the model's trips to and from the
+    owner are slept here, before the epoch under local training (the merge ends
+    it), after every step under per-step allreduce (every step waits for the
+    slowest link).
+    """
+    loader = model.allocate(DataLoader(data, batch_size=cluster.devices[model.rank].feasible_batch_size),
+                            shuffle=True, seed=settings["seed"], own_data=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"], momentum=0.9)
+    trip_s = [2 * _link_s(device, cluster.model_bytes) for device in cluster.devices]
+    epoch_trip_s, step_trip_s = (trip_s[model.rank], 0.0) if sync == "local" else (0.0, max(trip_s))
+    for epoch in range(settings["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        time.sleep(epoch_trip_s)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+            time.sleep(step_trip_s)
+        on_epoch()
+
+
+def _emulation(cluster: ClusterSpec) -> hetdp.Emulation:
+    """Each device's time per sample (``batch_time_s / batch_size``) as the drop-in's emulation."""
+    sample_ms = per_sample_ms(cluster)
+    return hetdp.Emulation(speeds=tuple(max(sample_ms) / ms for ms in sample_ms), sample_cost_ms=max(sample_ms))
+
+
+def _link_s(device: DeviceSpec, nbytes: float) -> float:
+    """Seconds to move ``nbytes`` from the data owner to ``device`` (alpha + size / B; 0 behind an infinite link)."""
+    return hetdp.Link(bandwidth_mbps=device.bandwidth_mbps, latency_ms=device.latency_ms).transfer_s(nbytes)
 
 
 if __name__ == "__main__":

@@ -159,20 +159,6 @@ def _shard(seed: int, tag: int, rows: int, coefficients: torch.Tensor) -> tuple[
     return inputs, targets.unsqueeze(1)
 
 
-def synchronous_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Synchronous SGD by hand (``hetdp bench imbalance``'s baseline): average the gradients with one allreduce
-    (every rank waits for every other), then step."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    flat = parameters_to_vector([p.grad for p in params])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    optimizer.step()
-
-
 def _batches(size: int, local_batch: int, seed: int, rank: int) -> Iterator[torch.Tensor]:
     """This rank's batches, epoch after epoch, each epoch in a fresh seeded order (the last partial batch dropped)."""
     for epoch in itertools.count():

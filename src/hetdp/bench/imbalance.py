@@ -1,6 +1,6 @@
-"""Inherent load imbalance: an LSTM on variable-length sequences, synchronous SGD against EagerSGD solo and
-majority (the eager-SGD paper's video-classification case, section 7.3, at small scale), and count-balanced
-against cost-balanced steps of the drop-in.
+"""Inherent load imbalance: an LSTM on variable-length sequences, synchronous SGD against eager-SGD's solo and
+majority partial allreduce (the eager-SGD paper's video-classification case, section 7.3, at small scale), and
+count-balanced against cost-balanced steps, every run through the drop-in.
 
 Sequence lengths follow the paper's UCF101 figures (29 to 1,776 frames, mean
 187, sd 97; a clipped log-normal). Each frame is a noisy view of its class's
@@ -8,9 +8,12 @@ feature vector; a single-layer LSTM reads every eighth frame and classifies the
 sequence. As in the paper, sequences of similar length are batched together, so
 a step's cost follows its batch's length: compute is padded to a fixed time per
 frame, and ranks computing long and short batches side by side wait for one
-another under synchronous SGD. Figures: test accuracy against training wall
-time, the time each mode needs to reach the synchronous run's final accuracy
-(less one point), and the final accuracies (smoothed over the last epoch).
+another under synchronous SGD. Every mode is the drop-in,
+``hetdp.DDP(model, "equal", sync)``, whose steps the loop opens itself
+(``begin_step``), its batches being its own length buckets. Figures: test
+accuracy against training wall time, the time each mode needs to reach the
+synchronous run's final accuracy (less one point), and the final accuracies
+(smoothed over the last epoch).
 
 The second part trains the same LSTM through ``hetdp.DDP`` on random (not
 length-bucketed) global batches, at equal and at unequal speeds, with each
@@ -40,18 +43,15 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
-from hetdp.allocate.pack import CostBalance
-from hetdp.allocate.policy import Equal, Static
-from hetdp.bench.eager import synchronous_step
-from hetdp.cluster.emulate import Emulation
-from hetdp.ddp.model import DistributedDataParallel
+from hetdp import DDP, CostBalance, Emulation, Equal, Partial, Static, init_distributed
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.launch import run_local
 from hetdp.report import format_table
-from hetdp.runtime import init_distributed
-from hetdp.train.eager import EagerSGD
 
 MODES = ("sync", "solo", "majority")
+SYNC = {"sync": "allreduce", "solo": "solo", "majority": Partial(mode="majority", grace=0.0, bypass=False)}
+"""The drop-in's synchronization of each mode; majority as the paper runs it, a round always waiting for its
+initiator."""
 FRAMES = {"min": 29, "max": 1776, "mean": 187.0, "sd": 97.0}
 """UCF101's training videos (paper, section 2.1)."""
 STRIDE = 8
@@ -225,44 +225,57 @@ def _buckets(frames: np.ndarray, mine: np.ndarray, batch: int, seed: int, epoch:
     return [buckets[i] for i in order]
 
 
+def _paced_by_frames(steps: list[list[np.ndarray]], frames: np.ndarray, frame_ms: float) -> Emulation:
+    """The drop-in's emulation, pacing every rank's step ``k`` (its batch ``steps[rank][k]``) to what the batch's
+    longest sequence costs, ``frame_ms`` a frame: the LSTM runs over the padded batch.
+
+    The step's speed is its samples per frame of that sequence, so that samples x
+    ``frame_ms`` / speed lasts its frames. The drop-in pads at the gradient's last
+    bucket, so the exchange follows the emulated compute, as on a real device.
+    """
+    if frame_ms == 0:
+        return Emulation()
+    speeds = [tuple(len(per_rank[k]) / int(frames[per_rank[k]].max()) for per_rank in steps)
+              for k in range(len(steps[0]))]
+    return Emulation(sample_cost_ms=frame_ms, speed_changes=tuple(enumerate(speeds)))
+
+
 def _train(args: argparse.Namespace, mode: str, train: tuple, progress: tqdm) -> dict[str, Any]:
+    """One run of ``mode`` through the drop-in: every rank runs the same steps on its own length-bucketed batches."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sequences, labels, frames = train
-    mine = np.random.default_rng([args.seed, 1]).permutation(len(labels))[rank::world_size]
-    emulation = Emulation(sample_cost_ms=args.frame_ms)
+    order = np.random.default_rng([args.seed, 1]).permutation(len(labels))
+    steps = [[bucket for epoch in range(args.epochs)
+              for bucket in _buckets(frames, order[r::world_size], args.batch, args.seed, epoch, r)]
+             for r in range(world_size)]
     torch.manual_seed(args.seed)
-    model = SequenceClassifier()
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    eager = None if mode == "sync" else EagerSGD(optimizer, model, mode=mode)
-    steps_per_epoch = len(mine) // args.batch
-    snapshot_every = max(1, steps_per_epoch // SNAPSHOTS_PER_EPOCH)
+    net = SequenceClassifier()
+    optimizer = torch.optim.Adam(net.parameters(), lr=5e-3)
+    rounds = [0]
+    optimizer.register_step_post_hook(lambda *_: rounds.__setitem__(0, rounds[0] + 1))  # once per round applied
+    model = DDP(net, "equal", SYNC[mode], emulation=_paced_by_frames(steps, frames, args.frame_ms))
+    snapshot_every = max(1, len(steps[rank]) // args.epochs // SNAPSHOTS_PER_EPOCH)
     snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
     dist.barrier()
     started = time.perf_counter()
-    step = 0
-    for epoch in range(args.epochs):
-        for bucket in _buckets(frames, mine, args.batch, args.seed, epoch, rank):
-            # A step costs what its longest sequence does (the LSTM runs over the padded batch).
-            with emulation.compute(rank, int(frames[bucket].max())):
-                (eager or optimizer).zero_grad()  # EagerSGD's applies the rounds that completed meanwhile
-                nn.functional.cross_entropy(model([sequences[i] for i in bucket]), labels[bucket]).backward()
-            if eager is None:
-                synchronous_step(model, optimizer)
-            else:
-                eager.step()
-            step += 1
-            if rank == 0 and step % snapshot_every == 0:
-                # Rank 0's replica is the model after the rounds it applied (identical on every rank): keep a copy,
-                # evaluated after training so evaluation never delays the run.
-                snapshots.append((time.perf_counter() - started, {k: v.clone() for k, v in model.state_dict().items()}))
-            progress.update()
-    if eager is not None:
-        eager.close()
+    for step, bucket in enumerate(steps[rank], start=1):
+        model.begin_step(len(bucket), len(bucket) * world_size)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model([sequences[i] for i in bucket]), labels[bucket]).backward()
+        optimizer.step()
+        model.end_step()
+        if rank == 0 and step % snapshot_every == 0:
+            # Rank 0's replica after the rounds it applied so far: keep a copy, evaluated after training so
+            # evaluation never delays the run.
+            snapshots.append((time.perf_counter() - started, {k: v.clone() for k, v in net.state_dict().items()}))
+        progress.update()
+    model.end_epoch()  # the ranks meet: partial synchronization applies the rounds in flight everywhere
     wall_s = time.perf_counter() - started
+    model.close()
     walls: list[Any] = [None] * world_size
     dist.all_gather_object(walls, wall_s)
-    return {"model": model, "snapshots": snapshots, "wall_s": max(walls), "steps": step,
-            "rounds": eager.rounds if eager is not None else step}
+    return {"model": net, "snapshots": snapshots, "wall_s": max(walls), "steps": len(steps[rank]),
+            "rounds": rounds[0]}
 
 
 class _Sequences(Dataset):
@@ -291,7 +304,7 @@ def _balanced(args: argparse.Namespace, balancing: str, speeds: tuple[float, ...
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.balance_frame_ms)
     dataset = _Sequences(train)
     cost = CostBalance(cost=train[2].tolist(), pack=balancing == "cost", mean_over="samples")
-    with DistributedDataParallel(SequenceClassifier(), allocation, "allreduce", emulation=emulation) as model:
+    with DDP(SequenceClassifier(), allocation, "allreduce", emulation=emulation) as model:
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
         loader = model.allocate(DataLoader(dataset, batch_size=args.batch, collate_fn=_collate,
                                            sampler=DistributedSampler(dataset, seed=args.seed)), cost=cost)

@@ -369,9 +369,9 @@ class PartialAllreduce:
     def poll(self) -> tuple[PartialResult, ...]:
         """The rounds completed since the last call, oldest first, without contributing or waiting.
 
-        A rank back from a stall can apply them before computing its next tensor
-        (EagerSGD does, in ``zero_grad``), so that it works on fresh data; its next
-        ``allreduce`` then returns only the rounds completed after this call.
+        A rank back from a stall can apply them before computing its next tensor,
+        so that it works on fresh data; its next ``allreduce`` then returns only the
+        rounds completed after this call.
 
         Raises:
             PeerTimeoutError: a peer died or a round failed earlier.
@@ -393,8 +393,8 @@ class PartialAllreduce:
         on a rank that waits on them.
 
         Args:
-            on_round: called with each of those rounds as it completes, before ``flush`` returns (EagerSGD
-                applies them there, so a rank that finished early keeps following the others).
+            on_round: called with each of those rounds as it completes, before ``flush`` returns (a caller may
+                apply them there, so that a rank that finished early keeps following the others).
             tensor: a last contribution, added to the send buffer first: it travels in one of the rounds
                 returned, the flushing round at the latest, fresh unless rounds ran since the previous call. Ranks
                 that all flush with one run a step that is complete everywhere, as a synchronous allreduce is.

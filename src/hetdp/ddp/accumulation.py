@@ -9,7 +9,7 @@ step was a stand-in of 0 samples. So once accumulated gradients outlive their
 step, they are weighed by that step's weight (``Synchronizer.weight``), a hook
 on every parameter weighs each later backward of the window by its own step's
 as it runs, and the comm hook reduces the sum with weight 1. Micro-batches
-within one step (``AllocatedTrainer``) share its weight: the comm hook weighs
+within one step (``allocate(loader, accumulates=True)``) share its weight: the comm hook weighs
 them, as any step.
 """
 

@@ -1,10 +1,10 @@
 """Partial synchronization of gradients: each round is the sample-weighted mean of the contributions it holds.
 
-The one implementation of the partial synchronization (eager-SGD paper): the drop-in
-runs it from its DDP comm hook, ``EagerSGD`` from its ``step``. Both contribute
-``[n * g, n]`` (n samples behind gradient g) to a ``PartialAllreduce``, so a round
-that holds a fast rank's large batch and a slow rank's small one weighs them by
-their samples, as one synchronous step over the same samples would.
+The one implementation of the partial synchronization (eager-SGD paper), which the
+drop-in runs from its DDP comm hook. It contributes ``[n * g, n]`` (n samples
+behind gradient g) to a ``PartialAllreduce``, so a round that holds a fast rank's
+large batch and a slow rank's small one weighs them by their samples, as one
+synchronous step over the same samples would.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class GradientRound:
     weighted_sum: torch.Tensor
     """sum_i n_i g_i over the contributions the round holds."""
     samples: float
-    """sum_i n_i: the weight behind those contributions, in samples (``EagerSGD``) or in parts of a step (the drop-in:
-    a contribution's samples over its step's); 0 for a round of empty contributions."""
+    """sum_i n_i: the weight behind those contributions (the drop-in's: a contribution's samples over its step's); 0
+    for a round of empty contributions."""
     result: PartialResult
     """The round itself: its index, contributors, parts and whether this rank's tensor is fresh in it."""
 

@@ -5,8 +5,8 @@ Under partial synchronization a rank that fell behind receives, with its next
 step, every round completed meanwhile. Their sum moves plain SGD as far as the
 rounds one by one, but a stateful optimizer (momentum, Adam) stepped once on the
 sum leaves that replica behind the others for many steps, and its next gradients
-are computed elsewhere (``EagerSGD``, which owns its optimizer, steps once per
-round). The drop-in does not own the loop's ``optimizer.step()``, so it joins it
+are computed elsewhere: it must step once per round. The drop-in does not own
+the loop's ``optimizer.step()``, so it joins it
 through torch's global optimizer hooks: before the step, the optimizer steps
 once per earlier round; the loop's own step then applies the last round, and
 afterwards ``.grad`` holds the step's whole gradient again, as the loop left it.

@@ -1,22 +1,21 @@
-"""Worker for tests/distributed/test_cadp.py: every C-ADP scenario on 3 ranks; each rank saves what it holds."""
+"""Worker for tests/distributed/test_cadp.py: every C-ADP scenario on 3 ranks, each through ``hetdp.distribute`` and
+the drop-in; each rank saves what it holds."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetdp
-from hetdp.allocate.planner import evaluate
-from hetdp.data.distribute import distribute
 from hetdp.sync.averaging import average_parameters, merge_weights
-from hetdp.train.cadp import CadpConfig, train_cadp
 
 SIZE = 47
 AVERAGING_COUNTS = (1, 2, 5)
@@ -48,6 +47,20 @@ def make_cluster(devices: int = 3) -> hetdp.ClusterSpec:
     return hetdp.ClusterSpec(devices=specs[3 - devices :], sample_bytes=1000, model_bytes=1000)
 
 
+def train_own(model: hetdp.DDP, data: TensorDataset, batch_size: int, epochs: int) -> int:
+    """C-ADP's training through the drop-in: every epoch, this rank's own samples in batches of its own size, in an
+    order seeded by 3, the epoch and the rank; return the epochs trained."""
+    optimizer = make_optimizer(model)
+    loader = model.allocate(DataLoader(data, batch_size=batch_size), shuffle=True, seed=3, own_data=True)
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    return len(model.epoch_reports)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -62,7 +75,7 @@ def main() -> None:
     # Delivery: the samples themselves (only the owner has the dataset), then indices over shared storage.
     for transport in ("samples", "indices"):
         owned = dataset if rank == 0 or transport == "indices" else None
-        local = distribute(owned, plan.samples, transport=transport, seed=7)
+        local = hetdp.distribute(owned, plan.samples, transport=transport, seed=7)
         torch.save({"indices": local.indices, "tensors": local.data.tensors}, out / f"delivery_{transport}_{rank}.pt")
 
     # Weighted averaging of unequal models with weights D_i / D.
@@ -70,36 +83,38 @@ def main() -> None:
     average_parameters(model, merge_weights(AVERAGING_COUNTS)[rank])
     torch.save(model.state_dict(), out / f"averaged_{rank}.pt")
 
-    # One planned C-ADP epoch, and two epochs of equal-split synchronous DDP, without emulation.
-    for name, config, given in [
-        ("cadp", CadpConfig(epochs=1, seed=3), plan),
-        ("ddp", CadpConfig(epochs=2, seed=3, allocation="equal", sync="step", transport="indices"), None),
-    ]:
+    # One planned C-ADP epoch, and two epochs of synchronous DDP over an equal split delivered as indices.
+    equal = hetdp.apportion([1.0] * len(cluster.devices), SIZE, minimum=0)
+    for name, samples, sync, epochs, transport in [("cadp", plan.samples, "local", 1, "samples"),
+                                                   ("ddp", equal, "allreduce", 2, "indices")]:
+        owned = training_set if rank == 0 or transport == "indices" else None
+        local = hetdp.distribute(owned, samples, transport=transport, seed=3)
         model = make_model(0 if rank == 0 else 99)  # rank 0's initial model must reach everyone
-        owned = training_set if rank == 0 or config.transport == "indices" else None
-        called = time.perf_counter()
-        result = train_cadp(model, make_optimizer(model), owned, cluster, config, plan=given)
-        wall_s = time.perf_counter() - called
+        allocation = hetdp.Planned(cluster) if sync == "local" else "equal"
+        with hetdp.DDP(model, allocation, sync, emulation=hetdp.Emulation()) as ddp:
+            train_own(ddp, local.data, cluster.devices[rank].feasible_batch_size, epochs)
         torch.save(model.state_dict(), out / f"{name}_{rank}.pt")
-        report[name] = {
-            "samples": result.samples,
-            "plan": result.plan.samples,
-            "batch_sizes": result.plan.batch_sizes,
-            "send_s": result.send_s,
-            "train_s": result.train_s,
-            "wall_s": wall_s,
-            "epochs": len(result.epochs),
-        }
+        report[name] = {"samples": len(local.data), "plan": samples, "epochs": epochs,
+                        "batch_sizes": [device.feasible_batch_size for device in cluster.devices]}
 
-    # A device the plan gives no samples sits the training out; the others train and merge among themselves.
+    # A device the plan gives no samples stays out of the drop-in's group; the others train and merge among
+    # themselves.
+    samples = [20, SIZE - 20, 0]
+    local = hetdp.distribute(training_set if rank == 0 else None, samples, seed=3)
+    trainers = dist.new_group([0, 1])
     model = make_model(0)
-    result = train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, cluster,
-                        CadpConfig(epochs=2, seed=3), plan=evaluate(cluster, [20, SIZE - 20, 0], 2))
-    report["sits_out"] = {"samples": result.samples, "epochs": len(result.epochs)}
+    epochs = 0
+    if samples[rank]:
+        members = replace(cluster, devices=cluster.devices[:2])
+        with hetdp.DDP(model, hetdp.Planned(members), "local", emulation=hetdp.Emulation(),
+                       process_group=trainers) as ddp:
+            epochs = train_own(ddp, local.data, members.devices[rank].feasible_batch_size, 2)
+        dist.destroy_process_group(trainers)
+    report["sits_out"] = {"samples": len(local.data), "epochs": epochs}
     torch.save(model.state_dict(), out / f"sits_out_{rank}.pt")
 
     # A data owner that does not train holds no samples, and cannot train its own (none) in the drop-in.
-    local = distribute(training_set if rank == 0 else None, [0, 20, SIZE - 20])
+    local = hetdp.distribute(training_set if rank == 0 else None, [0, 20, SIZE - 20])
     report["parameter_server"] = {"samples": len(local.data)}
     model = hetdp.DDP(make_model(0), "equal", "local")
     try:
@@ -111,8 +126,7 @@ def main() -> None:
 
     # A plan that does not fit the dataset fails on every rank, not only on the owner.
     try:
-        train_cadp(model, make_optimizer(model), training_set if rank == 0 else None, cluster,
-                         plan=evaluate(cluster, [10, 10, 10], 1))
+        hetdp.distribute(training_set if rank == 0 else None, [10, 10, 10])
         report["bad_plan"] = None
     except hetdp.ConfigError as error:
         report["bad_plan"] = str(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hetdp
+from hetdp.bench.loop import train_share
 from hetdp.cluster.devices import DeviceModel
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 FEATURES = 4
 COST_SHARES = (1.0, 2.0, 3.0)
@@ -96,15 +97,25 @@ def capped_drop_in(emulation: hetdp.Emulation, global_batch: int) -> dict:
         return {"shares": [shares for _, shares in model._schedule]}
 
 
-def trainer_with_emulated_caps(emulation: hetdp.Emulation) -> dict:
+def micro_batches_under_emulated_caps(emulation: hetdp.Emulation) -> dict:
+    """Shares of 8 on ranks whose emulated memory holds 3, 5 and any samples per forward: ``accumulates=True`` leaves
+    the shares uncapped, and the loop runs each as micro-batches under its rank's cap; the forwards of every step."""
     dataset = torch.utils.data.TensorDataset(torch.randn(48, FEATURES), torch.randint(0, 2, (48,)))
-    model = make_model()
-    config = AllocationConfig(policy="static", weights=(1.0, 1.0, 1.0), global_batch=24, mode="batch")
-    trainer = AllocatedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset, config,
-                                     emulation=emulation)
-    with trainer:
-        trainer.train_epoch(0)
-        return {"caps": trainer.caps, "forwards": trainer.model.clock.forwards, "shares": trainer.shares}
+    model = hetdp.DDP(make_model(), "equal", emulation=emulation)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cap = model.emulation.devices[model.rank].max_batch
+    forwards = []
+    with model, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = model.allocate(DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset)),
+                                accumulates=True)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            train_share(model, inputs, targets, largest=cap)
+            forwards.append(model.clock.forwards)
+            optimizer.step()
+        return {"shares": model.shares, "forwards": forwards,
+                "memory_warnings": [str(w.message) for w in caught if "memory cap" in str(w.message)]}
 
 
 def main() -> None:
@@ -121,7 +132,7 @@ def main() -> None:
     emulation = hetdp.Emulation(sample_cost_ms=0.05, devices=caps)
     results["capped"] = capped_drop_in(emulation, global_batch=12)
     results["too_big"] = capped_drop_in(emulation, global_batch=20)
-    results["trainer"] = trainer_with_emulated_caps(
+    results["micro_batches"] = micro_batches_under_emulated_caps(
         hetdp.Emulation(sample_cost_ms=0.05, devices=(DeviceModel(max_batch=3), DeviceModel(max_batch=5),
                                                       DeviceModel())))
     all_results = [None] * torch.distributed.get_world_size()

@@ -1,9 +1,10 @@
 """Worker for tests/distributed/test_partial.py: runs one scenario on every rank and saves what it saw.
 
 ``semantics`` (4 ranks): controlled arrival orders, random-delay runs in every
-mode (round sequences, contributions, initiators), and EagerSGD against plain
-synchronous SGD. ``dead`` (4 ranks): rank 3 exits mid-run; the others record the
-errors they get and the threads left after ``close()``.
+mode (round sequences, contributions, initiators), and the drop-in's solo and
+majority synchronization on gradients of 1. ``dead`` (4 ranks): rank 3 exits
+mid-run; the others record the errors they get and the threads left after
+``close()``.
 Each surviving rank writes ``rank<R>.json`` into ``--out``.
 """
 
@@ -20,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
-from hetdp.train.eager import EagerSGD
 
 WIDTH = 6
 
@@ -110,70 +111,48 @@ def bypassed_majority(rank: int, world_size: int, calls: int = 16) -> list[dict]
     return rounds
 
 
-def new_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 1))
+class Scalar(nn.Module):
+    """One float64 weight, the same output for every sample: the mean loss ``model(x).mean()`` has gradient 1."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), start, dtype=torch.float64))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.weight.expand(len(inputs))
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    inputs = torch.randn(16, 10, generator=generator)
-    return inputs, inputs.sum(1, keepdim=True)
+def unit_gradient_run(rank: int, sync: str, steps: int = 20) -> dict:
+    """The drop-in under ``sync``, every gradient 1, rank-dependent delays (rank 3 lags most: it misses rounds), one
+    epoch of equal shares and plain SGD at lr 1: how far the weight moved tells how the rounds were weighed and
+    applied. Ranks start from different values; construction must align them."""
+    net = Scalar(10.0 + rank)
+    model = hetdp.DDP(net, "equal", sync, emulation=hetdp.Emulation())
+    start = float(net.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer_steps = [0]
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.__setitem__(0, optimizer_steps[0] + 1))
+    data = TensorDataset(torch.zeros(steps * 2 * dist.get_world_size()))
+    loader = model.allocate(DataLoader(data, batch_size=2, sampler=DistributedSampler(data, seed=3)))
+    for (inputs,) in loader:  # the last step meets: every rank applies every round, then they average
+        time.sleep(0.004 * rank)
+        optimizer.zero_grad()
+        model(inputs).mean().backward()
+        optimizer.step()
+    record = {"start": start, "moved": start - float(net.weight), "steps": model.steps_done,
+              "optimizer_steps": optimizer_steps[0], "divergence": divergence(net)}
+    model.close()
+    return record
 
 
-def eager_matches_sync(rank: int, group: dist.ProcessGroup, steps: int = 15) -> bool:
-    """EagerSGD in full mode next to plain synchronous SGD (allreduce, divide by P) on the same batches."""
-    eager_model, plain_model = new_model(), new_model()
-    plain = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9)
-    with EagerSGD(torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9), eager_model,
-                        mode="full", group=group) as eager:
-        for step in range(steps):
-            inputs, targets = batch(step, rank)
-            eager.zero_grad()
-            nn.functional.mse_loss(eager_model(inputs), targets).backward()
-            eager.step()
-            plain.zero_grad()
-            nn.functional.mse_loss(plain_model(inputs), targets).backward()
-            for p in plain_model.parameters():
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(dist.get_world_size(group))
-            plain.step()
-    return all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), plain_model.parameters()))
-
-
-def eager_divergence(rank: int, mode: str, steps: int = 30) -> dict:
-    """EagerSGD with random delays: the largest parameter gap between replicas after close()."""
-    rng = np.random.default_rng([7, rank])
-    model = new_model()
-    eager = EagerSGD(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, mode=mode)
-    for step in range(steps):
-        time.sleep(rng.uniform(0.0, 0.02))
-        inputs, targets = batch(step, rank)
-        eager.zero_grad()
-        nn.functional.mse_loss(model(inputs), targets).backward()
-        eager.step()
-    eager.close()
-    return {"divergence": eager.divergence(), "rounds": eager.rounds, "applied": eager.applied,
-            "gradients": eager.gradients, "steps": steps}
-
-
-def unit_gradient_run(rank: int, *, divide_by: str, catch_up: bool, sync_every: int, steps: int = 20) -> dict:
-    """One scalar parameter whose every gradient is 1, under solo rounds with rank-dependent delays: how far it moved
-    tells how rounds were divided and applied. Ranks start from different values; construction must align them."""
-    weight = nn.Parameter(torch.full((1,), 10.0 + rank, dtype=torch.float64))
-    model = nn.Module()
-    model.weight = weight
-    eager = EagerSGD(torch.optim.SGD([weight], lr=1.0), model, mode="solo", divide_by=divide_by,
-                           catch_up=catch_up, sync_every=sync_every)
-    start = float(weight)
-    for _ in range(steps):
-        time.sleep(0.004 * rank)  # rank 3 lags most: it misses rounds
-        eager.zero_grad()
-        weight.sum().backward()
-        eager.step()
-    eager.close()
-    return {"start": start, "moved": start - float(weight), "applied": eager.applied, "steps": steps,
-            "divergence": eager.divergence(), "gradients": eager.gradients}
+def divergence(model: nn.Module) -> float:
+    """The largest absolute difference between a parameter here and on rank 0, over all ranks (collective)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    gap = (flat - reference).abs().max().reshape(1)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return float(gap.item())
 
 
 def semantics(rank: int, world_size: int) -> dict:
@@ -184,14 +163,8 @@ def semantics(rank: int, world_size: int) -> dict:
         record[name] = random_run(rank, mode, quorum, calls=30, seed=11)
     record["majority_graced"] = graced_majority(rank)
     record["majority_bypassed"] = bypassed_majority(rank, world_size)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    record["eager_full_equals_sync"] = eager_matches_sync(rank, pairs[rank // 2])
-    record["eager_solo"] = eager_divergence(rank, "solo")
-    record["eager_majority"] = eager_divergence(rank, "majority")
-    record["unit_world"] = unit_gradient_run(rank, divide_by="world", catch_up=True, sync_every=0)
-    record["unit_contributors"] = unit_gradient_run(rank, divide_by="contributors", catch_up=True, sync_every=0)
-    record["unit_latest_only"] = unit_gradient_run(rank, divide_by="world", catch_up=False, sync_every=0)
-    record["unit_latest_synced"] = unit_gradient_run(rank, divide_by="world", catch_up=False, sync_every=1)
+    record["unit_solo"] = unit_gradient_run(rank, "solo")
+    record["unit_majority"] = unit_gradient_run(rank, "majority")
     return record
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import TensorDataset
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
-from hetdp.train.allocation import AllocatedTrainer, AllocationConfig
 
 
 def thread_names() -> list[str]:
@@ -28,11 +28,13 @@ def main() -> None:
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # the first optimizer imports torch._dynamo
     data = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
-    config = AllocationConfig(policy="static", weights=(1.0, 2.0), global_batch=6, micro_batch=2)
-    with AllocatedTrainer(model, optimizer, data, config) as trainer:  # on a group of its own
-        trainer.train_epoch(0)
+    with hetdp.DDP(model, hetdp.Static((1.0, 2.0))) as ddp:  # on a group of its own
+        for inputs, targets in ddp.allocate(DataLoader(data, batch_size=3, sampler=DistributedSampler(data))):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(inputs), targets).backward()
+            optimizer.step()
         during = thread_names()
-    del trainer
+    del ddp
     dist.destroy_process_group()
     (out / f"threads_{rank}.json").write_text(json.dumps({"during": during, "after": thread_names()}))
 

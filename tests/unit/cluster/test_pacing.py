@@ -153,7 +153,7 @@ def test_without_emulation_nothing_sleeps():
 
 
 def test_a_step_whose_samples_are_known_only_at_its_end_still_lasts_its_whole_block():
-    """EagerSGD starts its clock before the batch is known (``start`` with 0 samples)."""
+    """A caller may start the clock before it knows the batch (``start`` with 0 samples)."""
     timeline = Timeline()
     pacer = _pacer(timeline)
     pacer.start(0, 0)

@@ -1,15 +1,17 @@
-"""The data owner's partition and the C-ADP run settings, in one process."""
+"""The data owner's partition, and the settings of its delivery, in one process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils.data import TensorDataset
 
+import hetdp
 from hetdp.data.distribute import partition
 from hetdp.errors import ConfigError
-from hetdp.train.cadp import CadpConfig
 
 
 @given(st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=10), st.integers(0, 2**32 - 1))
@@ -31,9 +33,14 @@ def test_partition_rejects_negative_counts():
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("epochs", 0), ("allocation", "random"), ("method", "greedy"), ("sync", "never"), ("transport", "email")],
+    ("settings", "message"),
+    [
+        ({"samples": [3, 4]}, "one count >= 0 per rank"),
+        ({"transport": "email"}, "transport must be 'samples' or 'indices'"),
+        ({"transfer_s": [1.0, 2.0]}, "transfer_s gives 2 values for 1 ranks"),
+        ({"samples": [6]}, "samples sum to 6 but the owner's dataset has 7"),
+    ],
 )
-def test_cadp_config_names_the_bad_field(field, value):
-    with pytest.raises(ConfigError, match=field):
-        CadpConfig(**{field: value})
+def test_a_bad_delivery_is_a_config_error_naming_what_is_wrong(one_rank, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        hetdp.distribute(**{"dataset": TensorDataset(torch.arange(7)), "samples": [7], **settings})

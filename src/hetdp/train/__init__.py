@@ -1,1 +1,0 @@
-"""Training loops and optimizer wrappers a user calls, one per synchronization strategy."""
