@@ -24,7 +24,7 @@ from hetdp.cluster.spec import ClusterSpec, DeviceSpec
 from hetdp.collectives.partial import Partial, PartialAllreduce, PartialResult
 from hetdp.data.distribute import distribute
 from hetdp.ddp.model import DDP, DistributedDataParallel
-from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError
+from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutError, RefusedCheckpointError
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging
@@ -57,6 +57,7 @@ __all__ = [
     "Plan",
     "Planned",
     "ProbeConfig",
+    "RefusedCheckpointError",
     "Static",
     "StepFigures",
     "Timeouts",

@@ -24,6 +24,10 @@ class CheckpointError(HetDPError):
     """A checkpoint cannot be read, or does not match the run that tries to resume from it."""
 
 
+class RefusedCheckpointError(CheckpointError):
+    """A checkpoint holds objects other than tensors and plain data: it is refused unread (nothing in it ran)."""
+
+
 class WorkerError(HetDPError):
     """A worker of a launch failed: the message names its rank and what it raised; its traceback, if any, was
     printed once by that worker."""

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetdp.checkpoint.files import RefusedCheckpointError, load_checkpoint, save_checkpoint
+from hetdp.checkpoint.files import load_checkpoint, save_checkpoint
 from hetdp.data.randomness import random_state
-from hetdp.errors import CheckpointError, ConfigError
+from hetdp.errors import CheckpointError, ConfigError, RefusedCheckpointError
 from hetdp.runtime import peer_failures
 
 if TYPE_CHECKING:

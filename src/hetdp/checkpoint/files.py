@@ -16,12 +16,8 @@ from typing import Any
 
 import torch
 
-from hetdp.errors import CheckpointError
+from hetdp.errors import CheckpointError, RefusedCheckpointError
 from hetdp.files import atomic_write
-
-
-class RefusedCheckpointError(CheckpointError):
-    """A checkpoint holds objects other than tensors and plain data: it is refused unread (nothing in it ran)."""
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:

@@ -66,7 +66,7 @@ class RunsCode:
 
 
 def test_a_checkpoint_crafted_to_run_code_is_refused_unrun_and_not_skipped_for_an_older_one(tmp_path):
-    from hetdp.checkpoint.files import RefusedCheckpointError
+    from hetdp.errors import RefusedCheckpointError
 
     marker = tmp_path / "ran"
     save_checkpoint(tmp_path / "step-00000003.pt", {"step": 3})
@@ -78,7 +78,7 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_unrun_and_not_skipped_for_a
 
 
 def test_a_state_a_checkpoint_cannot_carry_fails_where_it_is_saved_and_leaves_the_previous_file(tmp_path):
-    from hetdp.checkpoint.files import RefusedCheckpointError
+    from hetdp.errors import RefusedCheckpointError
 
     path = save_checkpoint(tmp_path / "step-00000003.pt", {"step": 3})
     with pytest.raises(RefusedCheckpointError, match="step-00000003.pt"):
