@@ -64,7 +64,7 @@ def torchrun_command(
     node's part of a launch across ``nodes`` (None: a one-node launch) in restart ``attempt``.
 
     With ``report_errors``, torchrun and every worker run under this module, which turns a worker's
-    HetDPError into a report in ``$HETDP_ERRORS`` (see :func:`run_local`).
+    HetDPError into a report in ``$HETDP_ERRORS`` (see ``run_local``).
     """
     runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
     where = ["--standalone"] if nodes is None else nodes.torchrun_args(attempt)

@@ -51,8 +51,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
 class StreamingTable:
     """A table printed a row at a time, as rows are measured: the header and the first row set the widths.
 
-    Example::
-
+    Examples:
         >>> table = StreamingTable(["epoch", "epoch s"])
         >>> print(table.format({"epoch": 0, "epoch s": 1.25}))   # the header, its rule, then the row
         >>> print(table.format({"epoch": 1, "epoch s": 1.5}))    # the row alone

@@ -108,8 +108,7 @@ class AdaptiveAllocator:
     The allocator is pure state: the caller gathers the times from every rank, and
     every rank holding the same times computes the same shares.
 
-    Example::
-
+    Examples:
         >>> allocator = AdaptiveAllocator(world_size=2, total=12)
         >>> allocator.shares
         [6, 6]

@@ -1,7 +1,7 @@
 """The C-ADP planner: how many samples each device receives, and the predicted send, epoch and total time.
 
 ``plan`` picks a solver (``exact``: integer-optimal, ``alm``: the paper's Algorithm 1)
-and returns a :class:`Plan`; ``evaluate`` prices any given allocation with the
+and returns a ``Plan``; ``evaluate`` prices any given allocation with the
 same cost model (eqs. (2)-(7) of the C-ADP paper, see :mod:`hetdp.allocate.cost`).
 """
 
@@ -57,7 +57,7 @@ class Plan:
     ``lower_bound_s`` is a proven lower bound on the optimal ``total_s`` of this problem:
     for ``exact`` the bound its search proved (gap 0 when it proved optimality), for
     ``alm`` the exact solver's optimum (so the gap is the ALM's distance to optimal),
-    and ``nan`` for :func:`evaluate`, which does not solve anything.
+    and ``nan`` for ``evaluate``, which does not solve anything.
     """
 
     method: str
@@ -129,7 +129,7 @@ def plan(
             ``"alm"`` (the paper's Algorithm 1, see :mod:`hetdp.allocate.alm`).
         **options: ``min_samples`` (int, default 0: samples every device must receive; a
             device may otherwise get none and only take part in the merge), ``config``
-            (an :class:`AlmConfig` or :class:`ExactConfig`), or any field of the method's
+            (an ``AlmConfig`` or ``ExactConfig``), or any field of the method's
             config by name (e.g. ``p=200`` for ALM).
 
     Returns:

@@ -7,9 +7,9 @@ every transfer is real packets and no sleep stands for the network. Compute is
 paced to emulated speeds (``--speeds``, ``--sample-cost-ms``), as everywhere.
 
 One launch across the four hosts (``hetdp.launch`` with ``Nodes``, one rank per
-host) probes the cluster (:func:`hetdp.probe_cluster`: batch times and each
+host) probes the cluster (``hetdp.probe_cluster``: batch times and each
 link from rank 0, by real transfers), plans C-ADP from the probe, delivers each
-device's samples over the links (:func:`hetdp.distribute`) and trains
+device's samples over the links (``hetdp.distribute``) and trains
 ``hetdp.DDP(model, hetdp.Planned(cluster), "local")``; then DDP's equal split
 with an allreduce every step, and the drop-in's adaptive allocation with an
 allreduce every step and with local SGD (one merge per epoch), all through

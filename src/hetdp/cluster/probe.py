@@ -2,8 +2,8 @@
 
 Every rank measures its own T_i^batch and memory (eq. 3's G_i, S_m, Delta S_i);
 rank 0, the data owner, times round trips to every other rank for B_0i and
-alpha_0i. The result is a :class:`~hetdp.cluster.spec.ClusterSpec` that
-:func:`hetdp.plan` and ``hetdp plan`` read.
+alpha_0i. The result is a ``hetdp.cluster.spec.ClusterSpec`` that
+``hetdp.plan`` and ``hetdp plan`` read.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def probe_cluster(
         loss_fn: the training loss.
         group: the process group (None: the default group).
 
-    .. warning::
+    Warning:
         Collective: every rank of ``group`` calls it with the same config and link list.
 
     Raises:
@@ -249,7 +249,7 @@ def _memory(
 
     GPU: the allocator's peak during forward and backward at two batch sizes;
     Delta S is the slope, S_m what is left at zero samples, G_i the device memory.
-    CPU: Delta S from :func:`activation_bytes_per_sample`; S_m = parameters and
+    CPU: Delta S from ``activation_bytes_per_sample``; S_m = parameters and
     their gradients; G_i = physical memory shared by the ranks of this machine
     (``LOCAL_WORLD_SIZE``). The optimizer's state is not counted in S_m.
     """

@@ -212,7 +212,7 @@ class ClusterSpec:
         )
 
     def to_toml(self) -> str:
-        """Render as a cluster file that :meth:`from_toml` reads back to an equal ClusterSpec."""
+        """Render as a cluster file that ``from_toml`` reads back to an equal ClusterSpec."""
         lines = [
             "# hetdp cluster description (C-ADP): devices and their links from the data owner.",
             f"sample_bytes = {_toml_value(self.sample_bytes)}",

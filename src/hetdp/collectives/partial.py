@@ -199,7 +199,7 @@ class PartialAllreduce:
     arrival but waits in the send buffer for the next round (the paper's
     Fig. 7). A call that finds none arrives at the open round and waits for it.
 
-    .. warning::
+    Warning:
         Every rank of the group must construct its instances in the same order
         (construction is collective), keep calling ``allreduce`` while others
         may wait on it, and end with ``close()``, which every rank must call.
@@ -212,8 +212,7 @@ class PartialAllreduce:
     surviving rank, after at most ``timeouts.round_s`` plus a roll call of
     ``ROLL_CALL_S`` seconds; the instance is unusable afterwards.
 
-    Example::
-
+    Examples:
         >>> # on every rank, after torch.distributed.init_process_group("gloo")
         >>> with hetdp.PartialAllreduce(grad.numel(), mode="majority", timeout=30.0) as partial:
         ...     for step in range(steps):

@@ -63,7 +63,7 @@ def distribute(
 ) -> LocalData:
     """Deliver ``samples[r]`` samples of the owner's ``dataset`` to every rank r; return this rank's share.
 
-    The shares are the consecutive pieces of one seeded permutation (:func:`partition`):
+    The shares are the consecutive pieces of one seeded permutation (``partition``):
     disjoint, and together the whole dataset. ``transport="samples"`` sends the
     samples themselves (other ranks pass ``dataset=None``); ``"indices"`` sends only
     their positions, and every rank passes the same dataset (shared storage).
@@ -80,7 +80,7 @@ def distribute(
         group: the process group (None: the default group).
         timeout_s: longest wait for one real transfer; past it, PeerTimeoutError.
 
-    .. warning::
+    Warning:
         Collective: every rank of ``group`` calls it with the same ``samples``,
         ``transport`` and ``seed``.
 

@@ -148,7 +148,7 @@ class AllocatedLoader:
     plain shuffled loader (``shuffle=True``, no ``DistributedSampler``) takes a new
     order each epoch from a seed the ranks agree on, as torch's ``RandomSampler``.
 
-    .. warning::
+    Warning:
         Every rank must iterate it the same way (same epochs, ``set_epoch`` as
         with ``DistributedSampler``): each step is collective.
     """

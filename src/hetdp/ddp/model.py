@@ -60,14 +60,13 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
     gets a one-sample stand-in batch, run in eval mode and weighted 0. Under ``hetdp run --speeds / --stragglers /
     --speed-change`` every step is paced to its emulated device by itself.
 
-    .. warning::
+    Warning:
         Every rank must construct it with the same allocation and synchronization,
         and iterate the allocated loader the same way: every step is collective.
         Build it after ``init_process_group`` (or ``hetdp.init_distributed``), and
         ``close()`` it (or use it as a context manager) before destroying the group.
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> model = hetdp.DDP(net.to(device))                      # was: DDP(net.to(device))
         >>> loader = model.allocate(DataLoader(data, batch_size=32, sampler=DistributedSampler(data)))

@@ -93,7 +93,7 @@ class _PlanningGather:
 class Planner:
     """One rank's side of the gathers and re-plans: the steps done and met, their figures, the shares by step.
 
-    .. warning::
+    Warning:
         Every rank must call ``step_ended`` and ``gather`` at the same steps: the gathers are collective.
     """
 

@@ -2,7 +2,7 @@
 teardown that always runs.
 
 Building them needs root (or CAP_NET_ADMIN), iproute2's ``ip`` and ``tc``, and the tbf qdisc. Where any is
-missing, :func:`check_available` raises ``HostsUnavailable`` with one line saying which; tests that need hosts
+missing, ``check_available`` raises ``HostsUnavailable`` with one line saying which; tests that need hosts
 skip with that line.
 """
 
@@ -107,8 +107,7 @@ class EmulatedHosts:
     every host with ``run``) and sees only that host's network. Host 0's address is where a launch across the
     hosts meets (its rendezvous endpoint).
 
-    Example::
-
+    Examples:
         with EmulatedHosts(Topology.flat(2, rate_mbit=100)) as hosts:
             done = hosts.run([["hetdp", "run", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
                                f"{hosts.addresses[0]}:29500", "-n", "2", "train.py"] for k in range(2)],

@@ -41,15 +41,14 @@ class Accelerator(accelerate.Accelerator):
     Accelerate's), and tells ``accumulate`` of its last batch, where the
     gradients synchronize.
 
-    .. warning::
+    Warning:
         Every rank must run the same settings and loop: each step is collective.
         Gathering training outputs (``gather``, ``gather_for_metrics``) needs
         equal shapes on every rank, which unequal shares are not: pad them first
         (``pad_across_processes``), or read the epoch's figures from
         ``accelerator.hetdp_model.last_epoch``.
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> from hetdp.integrations.accelerate import Accelerator      # was: from accelerate import Accelerator
         >>> accelerator = Accelerator(gradient_accumulation_steps=2)

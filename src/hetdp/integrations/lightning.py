@@ -53,13 +53,12 @@ class HetdpStrategy(DDPStrategy):
     checkpoints (``model.checkpointer``) are refused: they hold none of Lightning's
     loop state.
 
-    .. warning::
+    Warning:
         Every rank must run the same Trainer settings: each step is collective.
         A ``training_step`` that takes ``dataloader_iter`` is not supported (the
         steps pair with the batches Lightning fetches, one per ``training_step``).
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> import hetdp.integrations.lightning                     # registers strategy="hetdp"
         >>> trainer = L.Trainer(strategy="hetdp", devices=4, max_epochs=3)   # was: strategy="ddp"

@@ -27,7 +27,7 @@ class LoopLoader:
     not define come from the allocated loader: ``sampler`` is the step sampler,
     so a framework's ``set_epoch`` on ``loader.sampler`` reshuffles the steps.
 
-    .. warning::
+    Warning:
         Every rank must call the hooks in the same order, once per batch trained:
         closing a step and an epoch are collective.
     """

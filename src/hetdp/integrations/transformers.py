@@ -43,13 +43,12 @@ class Trainer(transformers.Trainer):
     tokens nor gradient. Otherwise each rank's loss is the mean over its own batch
     and is weighed by its samples, as ``hetdp.DDP`` does.
 
-    .. warning::
+    Warning:
         Every rank must run the same arguments: each step is collective. The
         training sampler must be transformers' default (a random order):
         ``group_by_length`` and ``batch_rebalance`` order batches themselves.
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> from hetdp.integrations.transformers import Trainer      # was: from transformers import Trainer
         >>> trainer = Trainer(model=model, args=TrainingArguments(per_device_train_batch_size=8), train_dataset=data)

@@ -33,7 +33,7 @@ class SitOut:
     Every rank schedules the same membership changes at the same steps (they come
     from gathered figures), so the subgroups and the catch-up broadcasts line up.
 
-    .. warning::
+    Warning:
         ``schedule`` and ``catch_up`` are called by every rank at the same points; ``catch_up`` is collective.
     """
 

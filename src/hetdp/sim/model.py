@@ -79,7 +79,7 @@ class SimulatedCluster:
                               local_bandwidth_gbps=self.local_bandwidth_gbps)
 
     def allreduce_s(self) -> float:
-        """Seconds of one allreduce of the gradient (see :meth:`allreduce_cost`)."""
+        """Seconds of one allreduce of the gradient (see ``allreduce_cost``)."""
         return self.allreduce_cost().total_s
 
     def compute_s(self, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -13,7 +13,7 @@ from torch import nn
 class Synchronizer(ABC):
     """One rank's side of a synchronization, driven by the drop-in at fixed points of every step.
 
-    .. warning::
+    Warning:
         Every rank calls ``reduce`` for the same buckets of the same steps and
         ``meet`` at the same points (``due`` gives the same answer everywhere):
         both may be collectives.

@@ -84,7 +84,7 @@ class PartialGradients(Synchronizer):
     which removes what little drift is left (clipping by norm clips a caught-up
     step's rounds together; a step with a closure applies them at once).
 
-    .. warning::
+    Warning:
         Collective at construction, ``meet``, ``flush`` and ``close``; see ``PartialAllreduce``.
     """
 
