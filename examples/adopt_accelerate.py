@@ -1,4 +1,4 @@
-"""A typical user's Hugging Face Accelerate script, adopted by hetdp: ../shared/adoption/plain_accelerate.py with
+"""A typical user's Hugging Face Accelerate script, adopted by hetdp: tests/unit/adoption/plain_accelerate.py with
 its ``Accelerator`` imported from hetdp.
 
 The loop is Accelerate's: ``accelerator.prepare`` on the model, optimizer, DataLoader and LR schedule, gradient

@@ -6,9 +6,12 @@ and a partial last batch. hetdp wraps the model (``hetdp.DDP`` in place of torch
 and re-cuts the loader so that each rank's batch is its share of the step, sized
 to its measured speed; the gradient stays the mean over the step's samples.
 
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 examples/adopt_ddp.py --epochs 3
-    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 1 --allocation equal examples/adopt_ddp.py   # plain DDP's split
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 examples/adopt_ddp.py --epochs 3
+    hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4 --allocation equal examples/adopt_ddp.py   # plain DDP's split
     torchrun --nproc-per-node 4 examples/adopt_ddp.py                                               # real devices
+
+The adaptive run's shares reach 16, 16, 32, 64 in the first epoch; README.md and docs/guide/dropin.md show the
+lines it prints.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""A typical user's PyTorch Lightning script, adopted by hetdp: ../shared/adoption/plain_lightning.py with 2 lines
+"""A typical user's PyTorch Lightning script, adopted by hetdp: tests/unit/adoption/plain_lightning.py with 2 lines
 changed (an import that registers the strategy, and ``strategy="hetdp"`` for ``strategy="ddp"``).
 
 Everything else is Lightning's: the LightningModule with training and validation steps and ``self.log``,

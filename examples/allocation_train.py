@@ -2,8 +2,11 @@
 
 Run on 4 local workers of emulated speeds 1, 1, 2, 4:
     hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 8 examples/allocation_train.py --epochs 5
-or on real machines, with torchrun as usual:
-    torchrun --nnodes 2 --nproc-per-node 4 ... examples/allocation_train.py
+or on GPUs, one rank per GPU, as with DDP (the model and batches go to the rank's GPU under NCCL, which
+hetdp.init_distributed picks when every local rank has a GPU of its own; on the CPU otherwise):
+    torchrun --nproc-per-node 4 examples/allocation_train.py
+Across nodes, one command per node: docs/guide/several-machines.md (run there across emulated hosts, on CPU ranks;
+not yet on GPUs or real machines: docs/status.md).
 
 A fast rank's share may exceed what one forward should hold: the loop runs it as
 micro-batches under ``no_sync`` (``allocate(..., accumulates=True)`` tells the
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -34,9 +38,11 @@ def main() -> None:
     args = parser.parse_args()
 
     rank, _ = hetdp.init_distributed()
+    # Under NCCL each rank trains on its own GPU (init_distributed made cuda:LOCAL_RANK current); under gloo, on the CPU.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     split = load_digits()
     torch.manual_seed(0)  # the same initial model on every rank
-    model = hetdp.DDP(ConvNet(), hetdp.Adaptive(replan_every=2))  # emulated by `hetdp run`, if asked
+    model = hetdp.DDP(ConvNet().to(device), hetdp.Adaptive(replan_every=2))  # emulated by `hetdp run`, if asked
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = model.allocate(DataLoader(split.train, batch_size=32, sampler=DistributedSampler(split.train, seed=0)),
                             accumulates=True)
@@ -46,6 +52,7 @@ def main() -> None:
         for epoch in range(start, args.epochs):
             loader.sampler.set_epoch(epoch)
             for images, labels in loader:  # this rank's share of the step
+                images, labels = images.to(device), labels.to(device)
                 optimizer.zero_grad()
                 pieces = list(zip(images.split(args.micro_batch), labels.split(args.micro_batch)))
                 for index, (x, y) in enumerate(pieces):
@@ -62,7 +69,7 @@ def main() -> None:
                       f"compute {[round(s, 2) for s in report.compute_s]} s, "
                       f"wait {[round(s, 2) for s in report.wait_s]} s, loss {report.loss:.4f}, "
                       f"accuracy {accuracy(model.module, split.test):.3f}", flush=True)
-    torch.distributed.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

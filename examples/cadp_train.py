@@ -6,6 +6,8 @@ One rank per device of the cluster file, rank 0 (the data owner) first:
     torchrun --nproc-per-node 4 examples/cadp_train.py --cluster examples/cadp_cluster.toml
 By default one machine emulates the described cluster (each sample costs its device's
 batch_time_s / batch_size, the delivery its link's time); on real machines pass --no-emulate.
+The model stays on the CPU: launch it with gloo ranks (a machine whose every rank has a GPU of its own gets NCCL from
+hetdp.init_distributed, and hetdp.DDP refuses a CPU model there; examples/allocation_train.py shows the move to GPU).
 
 C-ADP is the data owner plus the drop-in: ``hetdp.plan`` (the owner's D_i), ``hetdp.distribute``
 (each device receives its D_i samples once), ``hetdp.DDP(net, hetdp.Planned(cluster), "local")``

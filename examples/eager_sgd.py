@@ -3,6 +3,9 @@
     hetdp run -n 4 --stragglers 1:200 examples/eager_sgd.py --mode majority
     torchrun --nproc-per-node=4 examples/eager_sgd.py --mode solo
 
+The model stays on the CPU: run it on gloo ranks (under NCCL, which hetdp.init_distributed picks when every local
+rank has a GPU of its own, hetdp.DDP refuses a CPU model; examples/allocation_train.py shows the move to GPU).
+
 Eager-SGD is the drop-in's partial synchronization: ``hetdp.DDP(net, "equal",
 "majority")`` in place of ``DDP(net)``, and the loop stays a plain DDP loop.
 ``--stragglers 1:200`` makes one random rank sleep 200 ms at every step (the

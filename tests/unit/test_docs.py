@@ -3,10 +3,12 @@
 A ```python block under a ``<!-- test: python -->`` line runs in this process from the repository root; one under
 ``<!-- test: torchrun N -->`` runs as a script on N local ranks, launched as users launch. The strict site build
 (``mkdocs build --strict`` in ``make test``) checks the rest: links, and that every ``::: hetdp.NAME`` exists.
+The command-line page (docs/reference/cli.md) lists every command and flag of the parsers, and no other.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -56,3 +58,57 @@ def test_every_public_name_has_a_reference_entry():
     documented = re.findall(r"^::: hetdp\.(\w+)$", "".join(p.read_text() for p in (DOCS / "reference").glob("*.md")),
                             re.MULTILINE)
     assert sorted(documented) == sorted(hetdp.__all__)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command line of hetdp, by the heading of its section on the CLI page: ``hetdp``, ``hetdp run``,
+    ``hetdp bench chaos``, ``python -m hetdp.hosts``."""
+    from hetdp.cli import build_parser
+    from hetdp.hosts.__main__ import build_parser as hosts_parser
+
+    found = {"python -m hetdp.hosts": hosts_parser()}
+    pending = [("hetdp", build_parser())]
+    while pending:
+        name, parser = pending.pop()
+        found[name] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend((f"{name} {sub}", subparser) for sub, subparser in action.choices.items())
+    return found
+
+
+def _cli_sections() -> dict[str, str]:
+    """The CLI page's text by section heading (the command in backticks); the text above the first is ``hetdp``'s."""
+    text = (DOCS / "reference" / "cli.md").read_text()
+    parts = re.split(r"^#{2,3} `([^`]+)`$", text, flags=re.MULTILINE)
+    return {"hetdp": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def test_the_cli_page_lists_every_command_and_flag():
+    sections = _cli_sections()
+    for name, parser in _commands().items():
+        if name == "hetdp":
+            listed = sections["hetdp"]
+        else:
+            assert name in sections, f"no section for `{name}` on docs/reference/cli.md"
+            # the flags every benchmark takes are listed once, under `hetdp bench`
+            listed = sections[name] + (sections["hetdp bench"] if name.startswith("hetdp bench ") else "")
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert re.search(rf"`{re.escape(flag)}(?![\w-])", listed), f"`{name} {flag}` is not on the CLI page"
+
+
+def test_every_flag_on_the_cli_page_exists():
+    commands = _commands()
+    for name, text in _cli_sections().items():
+        assert name in commands, f"docs/reference/cli.md has a section for `{name}`, which is no command"
+        flags = {flag for action in commands[name]._actions for flag in action.option_strings}
+        common = {"--quick", "--json", "--seed"}  # what every benchmark takes, listed once under `hetdp bench`
+        if name == "hetdp bench":
+            flags |= common
+        elif name.startswith("hetdp bench "):
+            flags -= common
+        for row in re.findall(r"^\| (`[^|]*`) \|", text, flags=re.MULTILINE):
+            for flag in re.findall(r"`(-{1,2}[a-z][\w-]*)", row):
+                assert flag in flags, f"docs/reference/cli.md lists `{name} {flag}`, which the parser lacks"
