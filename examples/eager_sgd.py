@@ -50,8 +50,8 @@ def main() -> None:
         nonlocal optimizer_steps
         optimizer_steps += 1
 
-    sync = hetdp.Partial(mode=args.mode, quorum=args.quorum, timeouts=hetdp.Timeouts(round_s=30.0))
-    with hetdp.DDP(ConvNet(), "equal", sync) as model:  # was: DDP(ConvNet()); `hetdp run --stragglers` applies
+    sync = hetdp.Partial(mode=args.mode, quorum=args.quorum)
+    with hetdp.DDP(ConvNet(), "equal", sync, step_timeout_s=30.0) as model:  # was: DDP(ConvNet()); `hetdp run --stragglers` applies
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         optimizer.register_step_post_hook(count)
         loader = model.allocate(DataLoader(split.train, batch_size=args.batch, sampler=DistributedSampler(split.train)))
