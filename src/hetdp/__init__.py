@@ -63,6 +63,7 @@ __all__ = [
     "apportion",
     "apportion_min_max",
     "distribute",
+    "fully_shard",
     "init_distributed",
     "min_max_shares",
     "plan",
@@ -92,7 +93,14 @@ _DEPRECATED = {
 """Names that left the public API, with their module and their replacement: they keep working for a release."""
 
 
+_LAZY = {"fully_shard": "hetdp.fsdp.shard"}
+"""Public names whose module imports FSDP2 and torch.distributed.checkpoint (about a second, more than the rest of
+hetdp): imported where first used, so that a script of hetdp.DDP does not pay for them."""
+
+
 def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if name not in _DEPRECATED:
         raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
     module, replacement = _DEPRECATED[name]
