@@ -8,6 +8,7 @@ synchronization (how contributions combine: allreduce, partial, local).
 
 import importlib
 import warnings
+from typing import TYPE_CHECKING
 
 import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
@@ -28,6 +29,9 @@ from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutEr
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging
+
+if TYPE_CHECKING:  # imported where first used (``_LAZY``); seen here by type checkers and the API reference
+    from hetdp.fsdp.shard import fully_shard
 
 __all__ = [
     "Adaptive",
