@@ -255,7 +255,7 @@ def _capped_devices(seed: int, samples: int) -> tuple[DeviceModel, ...]:
     the activation bytes a sample holds in the whole model (``saved_tensor_bytes`` at 2 and 4 samples)."""
     probe = _sharded(seed)
     units = [unit for unit in probe.modules() if isinstance(unit, FSDPModule)]
-    held = footprint(unit_shapes(units, lambda unit: getattr(unit, "_hetdp_options", {}), probe),
+    held = footprint(unit_shapes(units, lambda unit: getattr(unit, "_hetdp_options", {})),
                      storage_bytes(probe.parameters())).held
     plain = _model(seed)
     (tokens,) = token_sequences(4, seed=seed).tensors

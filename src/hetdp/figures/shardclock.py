@@ -94,16 +94,18 @@ class ShardedClock(StepClock):
             self.pacer.pace(step, samples, fraction, now - self._started_at - self._waited_s,
                             now - self._segment_began)
 
-    def backward_ended(self) -> None:
-        """A backward of the started step ended (after FSDP2's own end-of-backward work): close its compute."""
+    def backward_ended(self) -> bool | None:
+        """A backward of the started step ended (after FSDP2's own end-of-backward work): close its compute; return
+        whether it reduce-scattered (None outside a started step)."""
         if self._start is None:
-            return
+            return None
         if self._last_reduce is None:  # reduced nothing (gradient sync off, or one rank): ready here, no wait
             self._backwards.append([self._mark()])
-            return
+            return False
         self._finish_pacing()
         self._last_reduce[1:] = [self._mark()]  # its wait runs to the end of FSDP2's final callback
         self._last_reduce = None
+        return True
 
     def _finish_pacing(self) -> None:
         if self._paced is None:

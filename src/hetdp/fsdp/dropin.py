@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +33,7 @@ from hetdp.figures.clock import EndedStep, StepTimes
 from hetdp.figures.metrics import MetricsConfig
 from hetdp.figures.shardclock import ShardedClock
 from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedReduceScatter, Weighing
-from hetdp.fsdp.memory import budget, footprint, probe_activation_bytes, unit_shapes
+from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
 from hetdp.runtime import new_step_group
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
@@ -115,8 +115,7 @@ class ShardedDropIn(StepCoordinator):
         forward and backward. A rank with no sample in a step runs a one-sample stand-in in eval mode, weighted 0.
     """
 
-    def __init__(self, root: nn.Module, units: Sequence[nn.Module], settings: DropInSettings,
-                 options: Callable[[nn.Module], Mapping[str, Any]]) -> None:
+    def __init__(self, root: nn.Module, units: Sequence[nn.Module], settings: DropInSettings) -> None:
         if not dist.is_initialized():
             raise ConfigError("hetdp.fully_shard needs torch.distributed: call init_process_group first")
         if not units:
@@ -126,7 +125,7 @@ class ShardedDropIn(StepCoordinator):
         check_sync(self.sync)
         world_size = dist.get_world_size()
         for unit in units:
-            mesh = options(unit).get("mesh")
+            mesh = unit_options(unit).get("mesh")
             if mesh is not None and (mesh.ndim != 1 or mesh.size() != world_size):
                 raise ConfigError(f"hetdp.fully_shard shards over every rank of the default group (a 1-D mesh of "
                                   f"{world_size}); {type(unit).__name__} has a mesh of shape {tuple(mesh.shape)}")
@@ -136,7 +135,6 @@ class ShardedDropIn(StepCoordinator):
         self._group: dist.ProcessGroup | None = group
         self.module = root
         self.units = list(units)
-        self._options = options
         self.emulation = settings.emulation if settings.emulation is not None else Emulation.from_env()
         self._follows, self._sitting = False, None  # no rank leaves the exchange: each joins every unit's
         self.clock = ShardedClock(next(root.parameters()).device, self.emulation.pacer(self.rank, self.world_size))
@@ -146,6 +144,10 @@ class ShardedDropIn(StepCoordinator):
         self._steps = _Steps()
         self._probing = False
         self._backward_queued = False
+        self.footprint: Footprint | None = None
+        """What this rank holds whatever its batch, as ``allocate`` counted it for the caps (None: not counted)."""
+        self.activation_bytes_per_sample: float | None = None
+        """The activations one sample holds, as ``allocate`` probed them (None: not probed)."""
         self._tops = [unit for unit in self.units if not any(other is not unit and _holds(other, unit)
                                                              for other in self.units)]
         self._handles = [handle for unit in self._tops for handle in (
@@ -215,7 +217,12 @@ class ShardedDropIn(StepCoordinator):
 
     def _backward_ended(self) -> None:
         self._backward_queued = False
-        self.clock.backward_ended()
+        reduced = self.clock.backward_ended()
+        if reduced is False and self.weighing.syncing and self.world_size > 1 and self._first_warning("unseen"):
+            warnings.warn("hetdp.fully_shard: a backward of a step reduced nothing though the drop-in was not told "
+                          "that gradients wait: set_requires_gradient_sync(False) on a unit that torch's fully_shard "
+                          "sharded is not seen, and gradients that wait are then weighed wrong; shard every unit "
+                          "with hetdp.fully_shard", stacklevel=2)
         self.weighing.backward_ended()
 
     def gradient_sync(self, syncing: bool) -> None:
@@ -244,12 +251,12 @@ class ShardedDropIn(StepCoordinator):
         by default."""
         if max_batch is not None and not (isinstance(max_batch, str) and max_batch == "measure"):
             return super()._memory_caps(max_batch, loader)
-        held = footprint(unit_shapes(self.units, self._options, self.module), storage_bytes(self.module.parameters()))
+        held = self.footprint = footprint(unit_shapes(self.units, unit_options), storage_bytes(self.module.parameters()))
         mine = budget(self.rank, self.clock.device, self.emulation, held)
         per_sample: float | ConfigError | None = None
         if any(self._gather_objects(mine is not None and mine.per_sample_bytes is None, "agreeing on a probe")):
             try:
-                per_sample = self._probe(loader)
+                per_sample = self.activation_bytes_per_sample = self._probe(loader)
             except ConfigError as error:
                 per_sample = error
                 if max_batch is None and self._first_warning("probe"):
@@ -306,6 +313,12 @@ class ShardedDropIn(StepCoordinator):
     def __repr__(self) -> str:
         return (f"hetdp.fully_shard(allocation={self.allocation.describe()}, rank={self.rank}/{self.world_size}, "
                 f"shares={self.shares}, steps={self.steps_done})")
+
+
+def unit_options(unit: nn.Module) -> Mapping[str, Any]:
+    """The ``fully_shard`` keywords hetdp reads back of a unit (``hetdp.fully_shard`` keeps them; a unit torch's own
+    sharded has none)."""
+    return getattr(unit, "_hetdp_options", {})
 
 
 def _holds(outer: nn.Module, inner: nn.Module) -> bool:

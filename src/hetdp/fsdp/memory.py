@@ -63,10 +63,11 @@ class Footprint:
         return self.state + self.buffers
 
 
-def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mapping[str, Any]],
-                root: nn.Module) -> list[UnitShape]:
+def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mapping[str, Any]]) -> list[UnitShape]:
     """Every unit's ``UnitShape``, its own parameters being those no unit nested in it holds; ``options(unit)`` are
-    the ``fully_shard`` keywords it was sharded with."""
+    the ``fully_shard`` keywords it was sharded with. An outermost unit is FSDP2's root, which keeps its parameters
+    gathered from forward to backward unless told otherwise."""
+    roots = [unit for unit in units if not any(other is not unit and _contains(other, unit) for other in units)]
     shapes = []
     for unit in units:
         nested = {id(p) for other in units if other is not unit and _contains(unit, other) for p in other.parameters()}
@@ -77,7 +78,7 @@ def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mappi
         gathered = sum(p.numel() * _size(param_dtype or p.dtype) for p in own)
         reduced = sum(p.numel() * _size(reduce_dtype or p.dtype) for p in own)
         reshard = options(unit).get("reshard_after_forward")
-        kept = reshard is False or (reshard is None and unit is root)
+        kept = reshard is False or (reshard is None and any(unit is top for top in roots))
         shapes.append(UnitShape(gathered_bytes=gathered, reduced_bytes=reduced, kept=kept))
     return shapes
 

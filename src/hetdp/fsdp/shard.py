@@ -9,7 +9,7 @@ a ``ShardedDropIn`` over every unit under it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -70,7 +70,7 @@ class ShardedModule:
             if below:
                 raise ConfigError(f"hetdp settings (allocation, sync, ...) were given to fully_shard of a "
                                   f"{type(below[0]).__name__} below the root: give them to the root's fully_shard")
-            drop_in = ShardedDropIn(self, units, self._hetdp_settings, _options)  # type: ignore[arg-type]
+            drop_in = ShardedDropIn(self, units, self._hetdp_settings)  # type: ignore[arg-type]
             for unit in units:
                 unit._hetdp_drop_in = drop_in
         elif drop_in.module is not self:
@@ -139,10 +139,6 @@ class ShardedModule:
 
 _SURFACE = {name for name in vars(ShardedModule) if not name.startswith("__")} - {"set_requires_gradient_sync"}
 _MIXED: dict[type, type] = {}
-
-
-def _options(unit: nn.Module) -> Mapping[str, Any]:
-    return getattr(unit, "_hetdp_options", {})
 
 
 def _check_names(module: nn.Module) -> None:

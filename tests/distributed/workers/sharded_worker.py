@@ -263,7 +263,7 @@ def caps_scenario() -> dict:
 
     model = shard(make_model())
     units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
-    record["held_bytes"] = footprint(unit_shapes(units, lambda unit: unit._hetdp_options, model),
+    record["held_bytes"] = footprint(unit_shapes(units, lambda unit: unit._hetdp_options),
                                      storage_bytes(model.parameters())).held
     return record
 
