@@ -48,7 +48,8 @@ class DropInSettings:
     sync: str | SyncPolicy | None = None
     """Only ``"allreduce"`` (None: ``$HETDP_SYNC``, else allreduce); see ``check_sync``."""
     step_timeout_s: float = 60.0
-    """Seconds a step's gathers of figures wait for the slowest rank before a ``PeerTimeoutError`` names it."""
+    """Seconds a step's collectives wait for the slowest rank (over gloo, FSDP2's too) before a ``PeerTimeoutError``
+    names it."""
     metrics: MetricsConfig | None = None
     """Where rank 0 writes per-step and per-epoch figures, if anywhere."""
     emulation: Emulation | None = None

@@ -189,8 +189,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
             ``"adaptive"``).
         sync: ``"allreduce"`` only (the default): partial and local synchronization need whole replicas, and every
             rank takes part in every unit's collectives (``ConfigError`` names why).
-        step_timeout_s: how long the drop-in's gathers of figures wait for the slowest rank before a
-            ``PeerTimeoutError`` names it. FSDP2's own collectives wait the default group's timeout.
+        step_timeout_s: how long a collective of a step waits for the slowest rank before a ``PeerTimeoutError``
+            names it on every survivor: the drop-in's gathers of figures and checkpoints, and over gloo each of
+            FSDP2's all-gathers and reduce-scatters (under NCCL those wait their group's timeout). Too small: a
+            slow but healthy rank raises too.
         metrics: where rank 0 writes per-step and per-epoch figures, if anywhere.
         emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
         fsdp_options: passed to torch's ``fully_shard`` (``mesh``: a 1-D mesh of every rank, if given;
