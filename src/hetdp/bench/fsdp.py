@@ -17,8 +17,9 @@ each run in turn (a loaded machine's slow spells fall on all of them alike):
 The sample cost is calibrated so that the emulated devices, not the host, set
 the pace: the fastest device's block is ``HEADROOM`` times the host's real
 compute of it, and the slowest device's adaptive block ``EXCHANGE_MULTIPLE`` times
-the step's exchange as measured (FSDP2 runs two to three collectives a unit a step,
-and on a shared 2-core host each costs a few scheduler quanta). Run as a module
+what a step measured beyond its block (FSDP2 runs two to three collectives a unit
+a step, and on a shared 2-core host each costs a few scheduler quanta, beside the
+optimizer's and the loop's own work). Run as a module
 under torchrun it is the worker; imported, it is the benchmark.
 """
 
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +65,8 @@ SIZES = {"quick": {"samples": 384, "epochs": 2}, "full": {"samples": 1280, "epoc
 HEADROOM = 2.0
 """The fastest device's emulated block over the host's real compute of it."""
 EXCHANGE_MULTIPLE = 4.0
-"""The slowest device's adaptive block over the step's measured exchange: at 4, the ideal 2.0x speedup over equal
-shares reads as (16 c + X) / (8 c + X) = 1.8x with the exchange X in both."""
+"""The slowest device's adaptive block over what a step measured beyond its block (X: collectives and host work): at
+4, the ideal 2.0x speedup over equal shares reads as (16 c + X) / (8 c + X) = 1.8x with X in both."""
 CAP = 20
 """Samples the fastest rank's emulated memory holds beside its shard in the capped run (its speed would take 32)."""
 LR = 0.05
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cost = ["--sample-cost-ms", args.sample_cost_ms] if args.sample_cost_ms else []
     raw = launch_workers("hetdp.bench.fsdp", len(SPEEDS), ["--epochs", epochs, "--samples", size["samples"],
                                                            "--seed", args.seed, *cost],
-                         total=4 * epochs + 1, description="epochs", unit="epoch")
+                         total=3 * epochs + 2, description="epochs", unit="epoch")
     return summarize(raw)
 
 
@@ -165,14 +168,17 @@ class _Run:
 
     def epoch(self, epoch: int) -> dict[str, Any]:
         self.loader.sampler.set_epoch(epoch)
+        began = [time.perf_counter()]
         for (tokens,) in self.loader:
             self.optimizer.zero_grad()
             next_token_loss(self.model, tokens).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
+            began.append(time.perf_counter())
         report = self.model.last_epoch
         return {"run": self.name, "epoch": epoch, "epoch_s": report.epoch_s, "shares": report.shares,
-                "caps": report.caps, "diagnosis": report.diagnosis()}
+                "caps": report.caps, "diagnosis": report.diagnosis(),
+                "step_s": [end - start for start, end in itertools.pairwise(began)]}
 
     def close(self) -> None:
         self.model.close()
@@ -190,8 +196,9 @@ def _alternate(runs: list[_Run], epochs: int, progress: EventWriter) -> dict[str
 
 def _calibrate(samples: int, seed: int) -> tuple[float, dict[str, float]]:
     """The sample cost (ms at speed 1) that makes the emulated devices set the pace: rank 0 times the host's real
-    compute of the fastest device's adaptive share, then every rank times the exchange of a few steps at balanced
-    shares (the least wait of a step: what even the last rank to finish computing waits)."""
+    compute of the fastest device's adaptive share; then an epoch at the adaptive shares times what a step costs
+    beyond its emulated block (its collectives' waits and the host's work between steps: on a shared 2-core host
+    these, not the devices, would set the pace of a fast step)."""
     ideal = [round(BATCH * len(SPEEDS) * speed / sum(SPEEDS)) for speed in SPEEDS]
     seconds = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
@@ -203,12 +210,11 @@ def _calibrate(samples: int, seed: int) -> tuple[float, dict[str, float]]:
     model = _sharded(seed, allocation="equal", emulation=Emulation(speeds=SPEEDS, sample_cost_ms=compute_ms))
     probe = _Run("calibration", model, samples, seed)
     model.set_shares(ideal)
-    probe.epoch(0)
-    waits = [min(row.wait_s) for row in list(model.step_figures)[2:]]  # past the first steps' lazy set-up
-    exchange_s = statistics.median(waits)
+    steps_s = probe.epoch(0)["step_s"][1:]  # past the first, which sets FSDP2 up
     probe.close()
-    cost_ms = max(compute_ms, 1000.0 * EXCHANGE_MULTIPLE * exchange_s / ideal[0])
-    return cost_ms, {"host_compute_ms_per_sample": compute_ms, "exchange_s_per_step": exchange_s}
+    beyond_s = max(statistics.median(steps_s) - ideal[0] * compute_ms / 1000.0, 0.0)
+    cost_ms = max(compute_ms, 1000.0 * EXCHANGE_MULTIPLE * beyond_s / ideal[0])
+    return cost_ms, {"host_compute_ms_per_sample": compute_ms, "step_beyond_block_s": beyond_s}
 
 
 def _flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -302,10 +308,8 @@ def _worker(argv: list[str]) -> None:
                                  devices=_capped_devices(args.seed, args.samples))
     capped = _Run("capped", _sharded(args.seed, allocation="adaptive", emulation=capped_emulation), args.samples,
                   args.seed)
-    capped_rows = []
-    for epoch in range(args.epochs):
-        capped_rows.append(capped.epoch(epoch))
-        progress.update(row=capped_rows[-1])
+    capped_rows = [capped.epoch(0)]  # its shares settle within the epoch
+    progress.update(row=capped_rows[-1])
     capped.close()
     if rank == 0:
         args.out.write_text(json.dumps({
