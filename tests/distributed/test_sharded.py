@@ -5,6 +5,7 @@ on fewer ranks."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import sys
@@ -37,6 +38,7 @@ def record(out: Path, scenario: str) -> dict:
     return json.loads((out / f"{scenario}.json").read_text())
 
 
+@functools.cache
 def reference(epochs: int, kind: str = "adamw", every: int = 1, schedule: bool = True) -> dict[str, torch.Tensor]:
     """One process on the union of the ranks' batches: the mean loss over each global batch, ``every`` global
     batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does), clipped at 0.5."""
