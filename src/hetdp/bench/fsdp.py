@@ -51,6 +51,7 @@ from hetdp.cluster.probe import median_batch_s
 from hetdp.data.steps import StepSampler
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
+from hetdp.fsdp.dropin import unit_options
 from hetdp.fsdp.memory import footprint, unit_shapes
 from hetdp.fsdp.shard import fully_shard
 from hetdp.launch import EventWriter
@@ -261,7 +262,7 @@ def _capped_devices(seed: int, samples: int) -> tuple[DeviceModel, ...]:
     the activation bytes a sample holds in the whole model (``saved_tensor_bytes`` at 2 and 4 samples)."""
     probe = _sharded(seed)
     units = [unit for unit in probe.modules() if isinstance(unit, FSDPModule)]
-    held = footprint(unit_shapes(units, lambda unit: getattr(unit, "_hetdp_options", {})),
+    held = footprint(unit_shapes(units, unit_options),
                      storage_bytes(probe.parameters())).held
     plain = _model(seed)
     (tokens,) = token_sequences(4, seed=seed).tensors

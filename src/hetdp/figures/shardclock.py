@@ -58,11 +58,6 @@ class ShardedClock(StepClock):
         self._waited_s = 0.0
         self._segment_began = time.perf_counter()
 
-    @property
-    def started(self) -> bool:
-        """Whether a step is being timed (started, and not finished)."""
-        return self._start is not None
-
     def collective(self, call: Callable[[], Result], *, reduces: bool) -> Result:
         """Run one of FSDP2's collectives (``call``), paced and timed as part of the started step, if any."""
         if self._start is None:
