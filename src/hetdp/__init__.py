@@ -8,6 +8,7 @@ synchronization (how contributions combine: allreduce, partial, local).
 
 import importlib
 import warnings
+from typing import TYPE_CHECKING
 
 import hetdp.floor  # noqa: F401  (first: an older torch fails here, in one line)
 from hetdp.allocate.adaptive import AdaptiveAllocator
@@ -28,6 +29,9 @@ from hetdp.errors import CheckpointError, ConfigError, HetDPError, PeerTimeoutEr
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.runtime import Timeouts, init_distributed
 from hetdp.sync.policy import Allreduce, LocalAveraging
+
+if TYPE_CHECKING:  # imported where first used (``_LAZY``); seen here by type checkers and the API reference
+    from hetdp.fsdp.shard import fully_shard
 
 __all__ = [
     "Adaptive",
@@ -64,6 +68,7 @@ __all__ = [
     "apportion",
     "apportion_min_max",
     "distribute",
+    "fully_shard",
     "init_distributed",
     "min_max_shares",
     "plan",
@@ -78,7 +83,14 @@ _DEPRECATED = {
 are gone: every technique is a pairing on ``hetdp.DDP``.)"""
 
 
+_LAZY = {"fully_shard": "hetdp.fsdp.shard"}
+"""Public names whose module imports FSDP2 and torch.distributed.checkpoint (about a second, more than the rest of
+hetdp): imported where first used, so that a script of hetdp.DDP does not pay for them."""
+
+
 def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if name not in _DEPRECATED:
         raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
     module, replacement = _DEPRECATED[name]

@@ -430,8 +430,9 @@ def _worker(argv: list[str]) -> None:
 
 
 def _warn_if_settings_unused() -> None:
-    """On rank 0 of a launch whose emulation, allocation or synchronization settings no step of a ``hetdp.DDP``
-    used (a plain torch DDP script, or an allocated loader never iterated), say so in one line."""
+    """On rank 0 of a launch whose emulation, allocation or synchronization settings no step of a drop-in
+    (``hetdp.DDP``, ``hetdp.fully_shard``) used (a plain torch DDP script, or an allocated loader never iterated), say
+    so in one line."""
     from hetdp.allocate.policy import ENV_ALLOCATION
     from hetdp.cluster.emulate import Emulation
     from hetdp.sync.policy import ENV_SYNC
@@ -441,9 +442,9 @@ def _warn_if_settings_unused() -> None:
     chosen = [name for name, is_set in (("emulation", Emulation.from_env().active),
                                         ("--allocation", bool(os.environ.get(ENV_ALLOCATION))),
                                         ("--sync", bool(os.environ.get(ENV_SYNC)))) if is_set]
-    ddp = sys.modules.get("hetdp.ddp.model")
-    if chosen and (ddp is None or ddp.DistributedDataParallel.steps_in_process == 0):
-        print(f"hetdp: warning: the {' and '.join(chosen)} settings did nothing: no step ran through hetdp.DDP's "
+    coordinator = sys.modules.get("hetdp.ddp.coordinator")
+    if chosen and (coordinator is None or coordinator.StepCoordinator.steps_in_process == 0):
+        print(f"hetdp: warning: the {' and '.join(chosen)} settings did nothing: no step ran through a hetdp drop-in's "
               "allocated loader (a plain torch DDP script? model.allocate(loader)'s result not iterated?)",
               file=sys.stderr, flush=True)
 

@@ -84,7 +84,7 @@ def lightning_first(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], 
     """The launch of the exact scenario, the fit interrupted after a checkpoint and the one under local SGD."""
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lightning")
-    return launch(torchrun, "lightning_worker.py", out, ["exact", "interrupted", "local"]), out
+    return launch(torchrun, "lightning_worker.py", out, ["exact", "interrupted", "local", "sharded"]), out
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,19 @@ def test_lightning_bf16_mixed_precision_keeps_the_exact_gradient_weighting(light
     gap = max((trained[name] - expected[name]).abs().max().item() for name in expected)
     wrong = max((ddp_weighting[name] - expected[name]).abs().max().item() for name in expected)
     assert gap <= BF16_ATOL < wrong / 2, (gap, wrong)
+
+
+def test_lightning_s_fsdp2_path_under_the_sharded_drop_in_trains_as_one_process(lightning_first):
+    # strategy="hetdp_fsdp": Lightning's ModelParallelStrategy, the module sharded by torch's fully_shard in
+    # configure_model, static shares 1,1,2,4, clipping by the Trainer, a last step of 2 samples for 4 ranks.
+    from .test_sharded import assert_as_one_process
+    from .test_sharded import reference as sharded_reference
+
+    results, out = lightning_first
+    figures = results["sharded"][0]
+    assert figures["shares"] == [2, 2, 4, 8] and figures["epochs"] == 2 and figures["closed"]
+    assert figures["blocks"][:4] == [[2, 2, 4, 8]] * 4 and sum(figures["blocks"][4]) == 2
+    assert_as_one_process(torch.load(out / "lightning_sharded.pt"), sharded_reference(2, schedule=False))
 
 
 def test_lightning_resumes_a_checkpoint_saved_inside_an_epoch_where_the_uninterrupted_run_ends(lightning_first,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -55,3 +56,28 @@ def check_fits(caps: Sequence[int | None], global_batch: int, cost: CostBalance 
             f"a global batch of {global_batch} does not fit under the ranks' memory caps {limits} (at most "
             f"{sum(limits)} samples, one forward each; the drop-in cannot split a share for your loop): lower "
             f"global_batch, or run shares as micro-batches under no_sync in your loop (accumulates=True)")
+
+
+def shard_cap(memory_bytes: float, held_bytes: float, per_sample_bytes: float, *, device: str) -> int | None:
+    """The most samples one forward may hold on a device of ``memory_bytes`` (what a step may use of it) once it holds
+    ``held_bytes`` whatever the batch (its shard of the model's state, FSDP's gathered units): ``floor((memory -
+    held) / per_sample)`` (C-ADP eq. 3's P_max, with the shard in the fixed part). None: memory does not grow with
+    the batch (``per_sample_bytes`` <= 0).
+
+    Raises:
+        ConfigError: not even one sample fits; names ``device`` and the bytes it would need.
+    """
+    if per_sample_bytes <= 0:
+        return None
+    cap = math.floor((memory_bytes - held_bytes) / per_sample_bytes)
+    if cap < 1:
+        need = held_bytes + per_sample_bytes
+        raise ConfigError(f"{device} cannot hold its shard plus one sample: it would need {_megabytes(need)} "
+                          f"({_megabytes(held_bytes)} of model state and FSDP buffers, {_megabytes(per_sample_bytes)} "
+                          f"per sample) and has {_megabytes(memory_bytes)}; shard over more ranks, or free memory")
+    return cap
+
+
+def _megabytes(count: float) -> str:
+    """Bytes as MB, with three significant digits however small (a test model's shard is a tenth of one)."""
+    return f"{count / 1e6:,.{max(0, 2 - math.floor(math.log10(max(count / 1e6, 1e-9))))}f} MB"

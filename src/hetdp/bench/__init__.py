@@ -25,6 +25,8 @@ BENCHMARKS: dict[str, str] = {
               "one alone, and balanced speeds where everyone pays",
     "gpu": "on a real GPU: hetdp.DDP's overhead against torch DDP, and one GPU beside three CPU ranks under every "
            "pairing against the GPU alone (needs a CUDA GPU)",
+    "fsdp": "the sharded drop-in (hetdp.fully_shard) at emulated speeds 1,1,2,4: adaptive vs equal shares, vs hetdp.DDP, "
+            "parameter gap to one process, state bytes per rank, a memory cap on the fastest rank",
     "frameworks": "hetdp under Lightning, Accelerate and transformers' Trainer on emulated speeds 1,1,2,4: epoch "
                   "speedup over each framework's DDP split, shares reached, parameter gap to one process",
     "links": "C-ADP and the drop-in over real rate-limited links between 4 emulated hosts (network namespaces, two "

@@ -1,6 +1,6 @@
 """The drop-in on a real GPU: its overhead against torch DDP, one GPU beside three CPU ranks, and every path checked.
 
-Four launches, at most 8 minutes on one GPU and 16 cores:
+Five launches, at most 10 minutes on one GPU and 16 cores:
 
 * overhead: one rank on the GPU (NCCL), a CIFAR-sized ResNet-18 under bf16 autocast
   and channels_last, batch 256, the loader's workers enough to keep the GPU busy;
@@ -13,6 +13,8 @@ Four launches, at most 8 minutes on one GPU and 16 cores:
   GPU alone (a plain loop on rank 0 on the same global batches).
 * paths: every synchronization on the GPU beside three CPU ranks (gloo), and on
   the GPU alone (NCCL), checked as ``gpu_paths`` says.
+* sharded: ``hetdp.fully_shard`` alone on the GPU against torch's ``fully_shard``, and
+  on a card made small, as ``gpu_sharded`` says (not yet run on a GPU).
 
 Without a GPU it says so in one line and exits 2. Run as a module under torchrun it
 is the worker; imported, it is the benchmark.
@@ -38,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hetdp.bench import gpu_paths
+from hetdp.bench import gpu_paths, gpu_sharded
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
 from hetdp.ddp import model as hetdp_ddp
@@ -79,7 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      total=len(gpu_paths.runs_for(ranks)), description=f"paths over {backend}",
                                      unit="path", on_row=_print_row)
              for backend, ranks in (("gloo", 4), ("nccl", 1))}
-    return summarize(overhead, mixed, paths)
+    sharded = launch_workers("hetdp.bench.gpu_sharded", 1, common, total=2 * epochs + 1,
+                             description="sharded epochs", unit="epoch", on_row=_print_row)
+    return summarize(overhead, mixed, paths, sharded)
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -87,7 +91,8 @@ def _print_row(row: dict[str, Any]) -> None:
     print(json.dumps(row), flush=True)
 
 
-def summarize(overhead: dict[str, Any], mixed: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
+def summarize(overhead: dict[str, Any], mixed: dict[str, Any], paths: dict[str, Any],
+              sharded: dict[str, Any] | None = None) -> dict[str, Any]:
     """The figures from the workers' per-epoch seconds (the first epoch of each run is warm-up)."""
     torch_sps = OVERHEAD_SAMPLES / statistics.median(overhead["torch_ddp"][1:])
     hetdp_sps = OVERHEAD_SAMPLES / statistics.median(overhead["hetdp"][1:])
@@ -102,7 +107,8 @@ def summarize(overhead: dict[str, Any], mixed: dict[str, Any], paths: dict[str, 
     return {"device": overhead["device"], "torch": torch.__version__, "runs": mixed["runs"],
             "overhead": {"torch_ddp_samples_s": torch_sps, "hetdp_samples_s": hetdp_sps,
                          "overhead": torch_sps / hetdp_sps - 1.0, "epoch_s": overhead},
-            "mixed": models, "global_batch": MIXED_BATCH, "cpu_threads": CPU_THREADS, "paths": paths}
+            "mixed": models, "global_batch": MIXED_BATCH, "cpu_threads": CPU_THREADS, "paths": paths,
+            "sharded": None if sharded is None else gpu_sharded.summarize(sharded)}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -125,6 +131,16 @@ def render(result: dict[str, Any]) -> str:
     for backend, checked in result["paths"].items():
         verdicts = [f"{name} {'ok' if run['ok'] else 'FAILED'}" for name, run in checked["runs"].items()]
         lines.append(f"paths checked on devices {','.join(checked['devices'])} over {backend}: {'; '.join(verdicts)}")
+    sharded = result.get("sharded")
+    if sharded is not None:
+        small = sharded["small_card"]
+        lines.append(f"sharded, one GPU ({sharded['parameters']:,}-parameter LM, bf16): torch fully_shard "
+                     f"{sharded['torch_samples_s']:,.0f} samples/s, hetdp.fully_shard {sharded['hetdp_samples_s']:,.0f} "
+                     f"(overhead {100 * sharded['overhead']:+.1f}%, target at most +3%); card at "
+                     f"{small['fraction']:.3f} of its memory: cap {small['cap']} (expected {small['expected_cap']}), "
+                     f"peak {small['peak_bytes'] / 1e9:.2f} of {small['limit_bytes'] / 1e9:.2f} GB, "
+                     + ("trained without running out of memory" if small["out_of_memory"] is None
+                        else f"OUT OF MEMORY: {small['out_of_memory']}"))
     return "\n".join(lines)
 
 

@@ -37,12 +37,27 @@ class DeviceModel:
     """Memory cap: the most samples one forward may hold; a larger share runs as micro-batches. None: no cap."""
     micro_overhead_ms: float = 0.0
     """Milliseconds each forward and backward (micro-batch) costs on top of its samples."""
+    memory_mb: float | None = None
+    """The device's memory in MB (the device table's ``memory_mb``; None: unlimited). ``max_batch`` is what it leaves
+    a replica (``hetdp.DDP``); the sharded drop-in (``hetdp.fully_shard``) caps a share by what it leaves once the
+    rank's shard of the model's state is placed."""
+    fixed_memory_mb: float = 0.0
+    """MB the device holds whatever the batch, beside the model's state (runtime, workspace): the sharded drop-in's
+    reading of the table's ``fixed_memory_mb``, to which it adds the shard it measured."""
+    activation_mb_per_sample: float = 0.0
+    """MB of activations one more sample holds (the table's); 0: the sharded drop-in probes the model's own."""
 
     def __post_init__(self) -> None:
         for name in ("step_overhead_ms", "micro_overhead_ms"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a number of milliseconds >= 0, got {value!r}")
+        for name in ("fixed_memory_mb", "activation_mb_per_sample"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a number of MB >= 0, got {value!r}")
+        if self.memory_mb is not None and not (isinstance(self.memory_mb, int | float) and self.memory_mb > 0):
+            raise ConfigError(f"memory_mb must be a number of MB > 0 (or None: unlimited), got {self.memory_mb!r}")
         if isinstance(self.knee, bool) or not isinstance(self.knee, int) or self.knee < 0:
             raise ConfigError(f"knee must be an integer >= 0 samples, got {self.knee!r}")
         if self.max_batch is not None and (
@@ -154,7 +169,9 @@ def device_model(device: DeviceSpec) -> DeviceModel:
     cap = device.max_parallelism
     return DeviceModel(step_overhead_ms=device.step_overhead_ms, knee=device.knee,
                        max_batch=None if math.isinf(cap) else math.floor(cap),
-                       micro_overhead_ms=device.micro_overhead_ms)
+                       micro_overhead_ms=device.micro_overhead_ms, memory_mb=device.memory_mb,
+                       fixed_memory_mb=device.fixed_memory_mb,
+                       activation_mb_per_sample=device.activation_mb_per_sample)
 
 
 def per_sample_ms(cluster: ClusterSpec) -> list[float]:

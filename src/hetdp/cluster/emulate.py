@@ -310,6 +310,8 @@ class Pacer:
         """The step whose deadline runs on from the last one's: the step after one that ended ``alone``."""
         self._lead_s = 0.0
         """The lead ``start`` slept; ``finish`` pads the rest of the block (a caller may know the samples only then)."""
+        self._delay_s = 0.0
+        """The straggler delay ``start`` slept."""
         self._finished_s = 0.0
         """When the last step's padding ended (sample-cost mode): where a step that runs on from it began."""
         self._warned = False
@@ -332,7 +334,8 @@ class Pacer:
         self._runs_on_to = None
         origin = self._deadline if runs_on else now
         self._lead_s = emulation.lead_s(self.rank, samples, step)
-        self._deadline = origin + emulation.straggler_delay_s(step, self.rank, self.world_size) + self._lead_s
+        self._delay_s = emulation.straggler_delay_s(step, self.rank, self.world_size)
+        self._deadline = origin + self._delay_s + self._lead_s
         self._sleep_until(self._deadline)
         return self._finished_s if runs_on else None
 
@@ -354,6 +357,41 @@ class Pacer:
         else:
             delay_s = emulation.straggler_delay_s(step, self.rank, self.world_size)
             (self._sleep or sleep)(emulation.padding_s(self.rank, compute_s - delay_s, samples, step, forwards))
+
+    def pace(self, step: int, samples: float, fraction: float, computed_s: float, segment_s: float) -> None:
+        """Pace one segment of a started step whose collectives hold the ranks in lockstep (the sharded drop-in's
+        all-gathers and reduce-scatters), before its next collective: sleep until the step has computed its
+        straggler delay, its lead and ``fraction`` of the rest of its emulated block (``sample_cost_ms`` > 0;
+        ``computed_s``: its seconds outside collectives so far), or stretch the segment of ``segment_s`` seconds
+        just computed.
+
+        Padding once at the step's end would leave each collective waiting for the slowest rank's real compute and
+        then add the slow rank's whole padding at the end (the sharded spike measured steps 50% longer than
+        emulated); pacing every segment keeps each collective where the emulated devices would reach it. The
+        time a rank waits inside collectives is not compute, and does not count towards its block.
+        """
+        if not self.active:
+            return
+        emulation = self.emulation
+        if emulation.sample_cost_ms > 0:
+            rest_s = emulation.block_s(self.rank, samples, step) - self._lead_s
+            (self._sleep or sleep)(self._delay_s + self._lead_s + min(max(fraction, 0.0), 1.0) * rest_s - computed_s)
+        else:
+            (self._sleep or sleep)(emulation.padding_s(self.rank, segment_s, samples, step))
+
+    def finish_segments(self, step: int, samples: float, computed_s: float, segment_s: float,
+                        forwards: int | None = None) -> None:
+        """End a step paced by ``pace``: sleep until it has computed its straggler delay and its whole block, run
+        as ``forwards`` micro-batches (``sample_cost_ms`` > 0), or stretch its last segment of ``segment_s``."""
+        if not self.active:
+            return
+        self._check_memory(samples, forwards)
+        emulation = self.emulation
+        if emulation.sample_cost_ms > 0:
+            block_s = emulation.block_s(self.rank, samples, step, forwards)
+            (self._sleep or sleep)(self._delay_s + block_s - computed_s)
+        else:
+            (self._sleep or sleep)(emulation.padding_s(self.rank, segment_s, samples, step))
 
     def restart(self) -> None:
         """The rank just synchronized with the others outside a step: the next step's deadline starts afresh even if

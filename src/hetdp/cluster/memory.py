@@ -1,4 +1,5 @@
-"""The largest forward a rank's memory allows: from its emulated device, or measured on CUDA.
+"""The largest forward a rank's memory allows: from its emulated device, or measured on CUDA; and the measures the
+sharded drop-in's caps are made of (the activations a batch saves, the bytes a shard holds).
 
 The drop-in cannot split a share of the user's loop into micro-batches, so this
 cap bounds the shares (``model.allocate(loader, max_batch="measure")``). On CUDA
@@ -9,11 +10,12 @@ of trial steps at two batch sizes; on CPU there is none.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from hetdp.cluster.emulate import Emulation
@@ -88,11 +90,19 @@ def _measure_cuda(module: nn.Module, batch: Any, device: torch.device) -> int | 
     peak_of(sizes[1])  # a first step allocates what every later one reuses (cuBLAS workspace, cuDNN plans)
     baseline = torch.cuda.memory_allocated(device)
     peaks = [peak_of(samples) for samples in sizes]
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free = cuda_free_bytes(device)
     per_sample = (peaks[0] - peaks[1]) / (sizes[0] - sizes[1])
     fixed = peaks[0] - baseline - per_sample * sizes[0]
     return cap_from_memory(free, fixed, per_sample)
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """Bytes a step may still take on a CUDA ``device``: the driver's free memory plus what torch's allocator holds
+    unused, within the process's share of the card (``torch.cuda.set_per_process_memory_fraction``)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - allocated
+    return min(free, int(torch.cuda.get_per_process_memory_fraction(device) * total) - allocated)
 
 
 def trial_step(module: nn.Module, batch: Any, samples: int) -> None:
@@ -105,21 +115,11 @@ def trial_step(module: nn.Module, batch: Any, samples: int) -> None:
     BatchNorm statistics never see it.
     """
     device = next(module.parameters()).device
-
-    def cut(value: Any) -> Any:
-        return value[:samples].to(device) if isinstance(value, torch.Tensor) else value
-
     state = {name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()}
     state.update((name, buffer.clone()) for name, buffer in module.named_buffers())
     try:
-        if isinstance(batch, Mapping):
-            output = functional_call(module, state, (), {key: cut(value) for key, value in batch.items()})
-        else:
-            output = functional_call(module, state, (cut(batch[0] if isinstance(batch, (list, tuple)) else batch),))
-        outputs = [tensor.float().sum() for tensor in _tensors(output) if tensor.requires_grad]
-        if not outputs:
-            raise ValueError("the model's output holds no tensor that requires grad")
-        torch.stack(outputs).sum().backward()
+        args, kwargs = trial_input(batch, samples, device)
+        output_sum(functional_call(module, state, args, kwargs)).backward()
     except Exception as error:  # the batch, the model or the memory: the user can still give the cap
         reason = (str(error).splitlines() or [""])[0]
         raise ConfigError(f"max_batch='measure' could not run a trial step on the loader's first batch "
@@ -135,3 +135,61 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [tensor for item in tree for tensor in _tensors(item)]
     return []
+
+
+def saved_tensor_bytes(forward: Callable[[], Any], parameters: Callable[[], Iterable[torch.Tensor]]
+                       ) -> tuple[int, Any]:
+    """Run ``forward()`` and count the bytes autograd saves for its backward: the activations a batch holds.
+
+    Each storage counts once (views of one tensor share it), and a storage of ``parameters()`` at the moment a
+    tensor is saved does not count: a layer saves its weight, which is the model's state, not the batch's. Under
+    FSDP2 a unit's unsharded parameters live only while it runs, so ``parameters()`` is read at each save. Counted
+    this way, the bytes grow linearly with the batch (the sharded spike: 0.01% off a line on a transformer).
+
+    Returns:
+        (bytes saved, what ``forward()`` returned: its backward is the caller's to run or drop).
+    """
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address and address not in {p.untyped_storage().data_ptr() for p in parameters()}:
+            saved[address] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = forward()
+    return sum(saved.values()), output
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors`` (a DTensor's local shard), each storage once: what they take in
+    memory, padding included (FSDP2's shards are views into padded buffers)."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def trial_input(batch: Any, samples: int, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments a trial forward takes from the first ``samples`` of ``batch`` (a
+    tensor, a sequence whose first item is the model's input, or a mapping of keyword arguments)."""
+
+    def cut(value: Any) -> Any:
+        return value[:samples].to(device) if isinstance(value, torch.Tensor) else value
+
+    if isinstance(batch, Mapping):
+        return (), {key: cut(value) for key, value in batch.items()}
+    return (cut(batch[0] if isinstance(batch, (list, tuple)) else batch),), {}
+
+
+def output_sum(output: Any) -> torch.Tensor:
+    """The sum of every tensor of ``output`` that requires grad: a trial's stand-in for the loss (backward memory
+    does not depend on the loss function)."""
+    outputs = [tensor.float().sum() for tensor in _tensors(output) if tensor.requires_grad]
+    if not outputs:
+        raise ValueError("the model's output holds no tensor that requires grad")
+    return torch.stack(outputs).sum()

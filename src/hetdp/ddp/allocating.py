@@ -28,7 +28,8 @@ from hetdp.runtime import peer_failures
 
 
 class Allocating:
-    """``hetdp.DDP``'s allocation (a mixin: the model sets the attributes declared here)."""
+    """A drop-in's allocation (a mixin of ``hetdp.DDP`` and the sharded drop-in: the model sets the attributes
+    declared here)."""
 
     rank: int
     world_size: int
@@ -99,8 +100,7 @@ class Allocating:
             global_batch = batch * self.world_size
         balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
-            caps = memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects,
-                               lambda: largest_forward(self.module, loader, rank=self.rank, emulation=self.emulation))
+            caps = self._memory_caps(max_batch, loader)
             bounds = None if accumulates else caps
             if bounds is not None:
                 check_fits(bounds, global_batch, balance)
@@ -132,6 +132,12 @@ class Allocating:
                                     own=own)
         self._planner.loader = weakref.ref(allocated)
         return allocated
+
+    def _memory_caps(self, max_batch: int | Sequence[int | None] | Literal["measure"] | None,
+                     loader: DataLoader) -> list[int | None] | None:
+        """Every rank's largest forward (None: no cap): ``max_batch`` as ``allocate`` takes it (collective)."""
+        return memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects,
+                           lambda: largest_forward(self.module, loader, rank=self.rank, emulation=self.emulation))
 
     @property
     def allocator(self) -> Allocator | None:

@@ -3,10 +3,10 @@
 A user's DDP script adopts it by wrapping the model with ``hetdp.DDP`` instead of
 torch's and passing its DataLoader through ``model.allocate``; the loop body
 (forward, backward, AMP, clipping, ``optimizer.step()``, schedulers) stays theirs.
-The model coordinates parts that each do one job: the comm hook (``hook``), the open
-step (``step``), the gathers and re-plans (``planning``), the epochs' figures
-(``tally``), the allocation (``allocating``, ``caps``), the models that follow it
-(``follow``) and checkpoints (``stepcheckpoint``, a step-end listener).
+The steps, epochs, figures and allocation are the ``StepCoordinator`` it shares with
+the sharded drop-in (``coordinator``); the model adds torch DDP's side of a step:
+the comm hook (``hook``), the open step (``step``), who sits out (``seams``) and the
+models that follow it (``follow``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import functools
 import weakref
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,27 +23,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from hetdp.allocate.policy import AllocationPolicy, allocation_policy
-from hetdp.checkpoint.checkpointer import CheckpointState
 from hetdp.cluster.emulate import Emulation
 from hetdp.collectives.paths import agree_in_group
 from hetdp.data.steps import StepTicket
-from hetdp.ddp.allocating import Allocating
+from hetdp.ddp.coordinator import StepCoordinator
 from hetdp.ddp.follow import Followers, check_follows, check_place
 from hetdp.ddp.hook import HookState, buffer_options, comm_hook, progress, synchronizer
 from hetdp.ddp.seams import SeamParts, seam
-from hetdp.ddp.step import StepListener, StepRunner, rebuild_buckets, warn_unstepped
+from hetdp.ddp.step import StepRunner, rebuild_buckets, warn_unstepped
 from hetdp.errors import ConfigError
-from hetdp.figures.clock import StepClock
-from hetdp.figures.gather import Planner
-from hetdp.figures.metrics import EpochReport, MetricsConfig, MetricsWriter
-from hetdp.figures.tally import Epochs
-from hetdp.liveness import Heartbeat
+from hetdp.figures.clock import EndedStep, StepClock
+from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import evaluating
-from hetdp.runtime import host_group, new_step_group, peer_failures
+from hetdp.runtime import new_step_group, peer_failures
 from hetdp.sync.policy import SyncPolicy, sync_policy
 
 
-class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
+class DistributedDataParallel(StepCoordinator, TorchDDP):
     """DDP in which rank i computes ``shares[i]`` samples of every step, for an allocation × synchronization pairing.
 
     Allocation (who computes how much): ``"equal"`` (plain DDP), ``hetdp.Static(weights)``, ``"adaptive"`` (the
@@ -78,9 +74,6 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         ...         optimizer.step()
         ...     print(model.last_epoch.diagnosis())                  # "rank 0 is the straggler, by compute: ..."
     """
-
-    steps_in_process: ClassVar[int] = 0
-    """Steps any ``hetdp.DDP`` opened in this process: ``hetdp run`` warns when its settings met none."""
 
     def __init__(
         self,
@@ -147,86 +140,29 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
                           step_timeout_s, follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
-        self.metrics = metrics or MetricsConfig()
-        self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
-        self._figures_group = host_group(group, step_timeout_s)
-        self._planner = Planner(self.synchronizer, module, self._figures_group, timeout_s=step_timeout_s,
-                                metrics=self.metrics, writer=self._writer, on_replan=self._replanned)
+        self._coordinate(module, self.synchronizer, group, metrics, functools.partial(progress, weakref.ref(self)))
         self._planner.sitting = self._sitting
-        self.step_figures = self._planner.step_figures
-        """Every rank's figures per step, as far as the last gather (every ``metrics.every`` steps, at re-plans,
-        meetings and epoch ends)."""
-        self._epochs = Epochs(self._writer)
-        self.epoch_reports = self._epochs.reports
-        self.resume_position: tuple[int, int] = (0, 0)
-        """(epoch, step within it) a loaded checkpoint resumes at; the allocated loader starts there."""
-        self.resume_random_state: dict[str, Any] | None = None
-        """This rank's random state a loaded checkpoint saved; the allocated loader restores it as the loop starts."""
-        self._listeners: list[StepListener] = []
         self._followers: Followers[DistributedDataParallel] = Followers()
         self._follows = follow is not None
         if follow is not None:
             follow._followers.add(self)
-        self._warned: set[str] = set()
-        self._heartbeat = Heartbeat(group, functools.partial(progress, weakref.ref(self))).start()
-        weakref.finalize(self, self._heartbeat.stop)
-
-    @property
-    def steps_done(self) -> int:
-        """Steps finished, over all epochs: the global index of the next step."""
-        return self._planner.steps_done
-
-    @property
-    def epochs_done(self) -> int:
-        """Epochs ended: the index of the next one, which a plain shuffled loader's order follows."""
-        return self._epochs.next
-
-    @property
-    def step_samples(self) -> int | None:
-        """This rank's samples in the open step (None outside one). 0: its batch is a stand-in that trains nothing
-        (it sits out, or a short last step has none for it); leave it out of samples seen and accuracy."""
-        return None if self._steps.open is None else self._steps.open.ticket.samples
-
-    def _first_warning(self, key: str) -> bool:
-        """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""
-        if self.rank != 0 or key in self._warned:
-            return False
-        self._warned.add(key)
-        return True
 
     # --- the step lifecycle (the allocated loader drives it; loops with their own batching may too) -------------
 
     def begin_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Start the epoch's figures; the allocated loader calls it."""
-        self._epochs.begin(epoch, first=self.steps_done - start_step)
+        super().begin_epoch(epoch, start_step)
         for model in self._open_followers():
             model.begin_epoch(epoch, start_step)
 
-    def begin_step(self, samples: int, total: int) -> None:
-        """Open a step in which this rank computes ``samples`` of the step's ``total`` (0: a stand-in batch, run in
-        eval mode and weighted 0). The allocated loader calls it; a loop with its own batching calls it before each
-        step's first forward, and ``end_step`` after ``optimizer.step()``."""
-        if not 0 <= samples <= total or total < 1:
-            raise ConfigError(f"a step needs 0 <= samples <= total and total >= 1, got {samples} of {total}")
-        if self._epochs.tally is None:
-            self.begin_epoch(0)
-        tally = self._epochs.tally
-        block = tuple(samples if rank == self.rank else 0 for rank in range(self.world_size))
-        self.begin_ticket(StepTicket(step=self.steps_done, epoch=tally.epoch, index=self.steps_done - tally.first,
-                                     block=block, rank=self.rank), total)
-
     def begin_ticket(self, ticket: StepTicket, total: int | None = None) -> None:
-        """Open a step cut by the allocated loader (``total`` defaults to the ticket's)."""
-        if self._epochs.tally is None:
-            self.begin_epoch(ticket.epoch)
-        total = ticket.total if total is None else total
-        wanted = any(listener.meets_after(self.steps_done + 1) for listener in self._listeners)
-        self._steps.begin(ticket, total, meets=self._planner.meets_after(ticket, wanted))
-        if self._seam is not None:
-            self._seam.route(self, ticket)
-        DistributedDataParallel.steps_in_process += 1
+        super().begin_ticket(ticket, total)
         for model in self._open_followers():
             model.begin_ticket(ticket, total)
+
+    def _open_step(self, ticket: StepTicket, total: int, meets: bool) -> None:
+        self._steps.begin(ticket, total, meets=meets)
+        if self._seam is not None:
+            self._seam.route(self, ticket)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._steps.open is not None and torch.is_grad_enabled():
@@ -243,48 +179,25 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         with broadcast, evaluating(self.module) if self._steps.stand_in() else contextlib.nullcontext():
             return super().forward(*inputs, **kwargs)
 
-    def record_loss(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
-        """Count a loss (the mean over ``samples``, default this step's) into the epoch report's ``loss``."""
-        open_step = self._steps.open
-        samples = open_step.ticket.samples if samples is None and open_step is not None else samples
-        if samples and self._epochs.tally is not None:
-            self._epochs.tally.add_loss(loss, samples)
+    def _close_step(self) -> EndedStep | None:
+        return self._steps.end()
 
-    def end_step(self) -> None:
-        """Close the step (after ``optimizer.step()``): record its figures; meet or re-plan when due."""
-        ended = self._steps.end()
-        if ended is None:
-            raise ConfigError("end_step() without an open step (call begin_step first)")
-        if self._epochs.tally is not None:
-            self._epochs.tally.add_step(ended.times, ended.ticket.samples)
-        self._planner.step_ended(ended)
+    def _step_closed(self) -> None:
         self._catch_up()
         for model in self._open_followers():  # before a checkpoint, which meets their synchronization too
             model.end_step()
-        for listener in self._listeners:
-            listener.step_ended(self.steps_done)
 
     def end_epoch(self) -> EpochReport:
-        """Close the epoch: merge where the synchronization meets per epoch, gather its figures, re-plan if due.
-
-        Collective; the allocated loader calls it after the epoch's last step.
-        """
-        assert self._epochs.tally is not None, "end_epoch() without begin_epoch()"
-        totals = self._epochs.tally.totals().values()
-        every_rank = self._planner.gather(meet=self._planner.apart, extra=totals, epoch_end=True)
-        self.clock.restart()  # the ranks just met, announced or not: no emulated step runs on past it
-        self._catch_up(force=True, state=False)
-        allocator = self.allocator
-        report = self._epochs.end(every_rank, shares=self.shares, stable=allocator.stable if allocator else True,
-                                  sat_out=dict(allocator.sat_out) if allocator else {})
+        report = super().end_epoch()
         for model in self._open_followers():
             model.end_epoch()
         return report
 
+    def _epoch_met(self) -> None:
+        self._catch_up(force=True, state=False)
+
     def _replanned(self, first_step: int, shares: list[int]) -> None:
-        """The planner's news: ``shares`` from global step ``first_step`` on."""
-        if self._epochs.tally is not None:
-            self._epochs.tally.add_replan(first_step, shares)
+        super()._replanned(first_step, shares)
         if self._sitting is not None and self.allocator is not None:
             self._sitting.schedule(first_step, self.allocator.members)
 
@@ -308,11 +221,6 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
     def _open_followers(self) -> list[DistributedDataParallel]:
         return self._followers.open()
 
-    @property
-    def last_epoch(self) -> EpochReport | None:
-        """The latest epoch's report (identical on every rank), or None before the first epoch ended."""
-        return self.epoch_reports[-1] if self.epoch_reports else None
-
     # --- life cycle -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -326,10 +234,7 @@ class DistributedDataParallel(Allocating, CheckpointState, TorchDDP):
         self._heartbeat.stop()
         self.synchronizer.close()
         self._steps.close()
-        if self._writer is not None:
-            self._writer.close()
-        if self._figures_group is not self._group:
-            dist.destroy_process_group(self._figures_group)
+        self._release_figures(self._group)
         if self._own_group:
             dist.destroy_process_group(self._group)
         self._group = None

@@ -96,15 +96,31 @@ class EpochReport:
     sat_out: dict[int, str] = field(default_factory=dict)
     """Ranks out of the step's exchange at the epoch's end (no share, stand-in batches), each with why: what its
     compute would save against what its exchange adds (``allocate.membership``)."""
+    caps: list[int | None] | None = None
+    """Each rank's memory cap in samples per forward (None: none), where memory bounds the shares."""
+
+    def memory_bound(self) -> dict[int, int]:
+        """Ranks whose share memory holds down, with the share their measured speed would give them: at their cap,
+        below a share proportional to their samples per second of compute over the epoch."""
+        if self.caps is None:
+            return {}
+        speeds = {rank: samples / seconds for rank, (samples, seconds) in enumerate(zip(self.samples, self.compute_s))
+                  if samples > 0 and seconds > 0}
+        total, speed = sum(self.shares), sum(speeds.values())
+        wanted = {rank: round(total * value / speed) for rank, value in speeds.items()}
+        return {rank: wanted[rank] for rank, cap in enumerate(self.caps)
+                if cap is not None and rank in wanted and self.shares[rank] >= cap and wanted[rank] > cap}
 
     def diagnosis(self) -> str:
-        """Which rank held the epoch back, and whether by computing or by communicating; which ranks sat out, and
-        why."""
+        """Which rank held the epoch back, and whether by computing or by communicating; which ranks memory, not
+        speed, bounds; which ranks sat out, and why."""
         members = [rank for rank in range(len(self.compute_s)) if rank not in self.sat_out]
         if len(members) == 1:
             verdict = f"rank {members[0]} trains alone: no straggler, no exchange"
         else:
             verdict = diagnose_straggler([self.compute_s[r] for r in members], [self.wait_s[r] for r in members])
+        verdict += "".join(f"; rank {rank} is bound by memory, not speed: its share {self.shares[rank]} is its cap, "
+                           f"its speed would take {wanted}" for rank, wanted in sorted(self.memory_bound().items()))
         if self.sat_out:
             verdict += "".join(f"; rank {rank} sat out: {why}" for rank, why in sorted(self.sat_out.items()))
         return verdict

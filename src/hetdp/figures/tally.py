@@ -73,7 +73,7 @@ class EpochTally:
                            loss=0.0 if self.loss is None else float(self.loss), loss_samples=float(self.loss_samples))
 
     def report(self, every_rank: Sequence[EpochTotals], *, shares: list[int], stable: bool,
-               sat_out: dict[int, str]) -> EpochReport:
+               sat_out: dict[int, str], caps: list[int | None] | None = None) -> EpochReport:
         """The epoch's report from every rank's totals (in rank order): the same on every rank."""
         loss_samples = sum(totals.loss_samples for totals in every_rank)
         return EpochReport(
@@ -88,6 +88,7 @@ class EpochTally:
             replans=self.replans,
             stable=stable,
             sat_out=sat_out,
+            caps=caps,
         )
 
 
@@ -105,11 +106,11 @@ class Epochs:
         self.tally = EpochTally(epoch, first=first)
 
     def end(self, every_rank: Sequence[Sequence[float]], *, shares: list[int], stable: bool,
-            sat_out: dict[int, str]) -> EpochReport:
+            sat_out: dict[int, str], caps: list[int | None] | None = None) -> EpochReport:
         """Close the epoch in progress on every rank's ``EpochTotals`` values (in rank order); return its report."""
         assert self.tally is not None, "an epoch ends that did not begin"
         report = self.tally.report([EpochTotals.of(values) for values in every_rank], shares=shares, stable=stable,
-                                  sat_out=sat_out)
+                                  sat_out=sat_out, caps=caps)
         self.reports.append(report)
         self.next = report.epoch + 1
         if self.writer is not None:

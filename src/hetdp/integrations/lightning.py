@@ -1,7 +1,9 @@
-"""PyTorch Lightning: ``Trainer(strategy="hetdp")`` trains with ``hetdp.DDP`` and re-cuts only the training loader.
+"""PyTorch Lightning: ``Trainer(strategy="hetdp")`` trains with ``hetdp.DDP`` and re-cuts only the training loader;
+``HetdpShardedStrategy``, Lightning's FSDP2 path (``ModelParallelStrategy``), with the sharded drop-in.
 
-Importing this module registers the strategy name ``"hetdp"``; ``HetdpStrategy(allocation=..., sync=...)``
-takes the drop-in's settings. Launch with torchrun or ``hetdp run``, whose emulation reaches it with no code.
+Importing this module registers the strategy names ``"hetdp"`` and ``"hetdp_fsdp"``; ``HetdpStrategy(allocation=...,
+sync=...)`` and ``HetdpShardedStrategy(allocation=...)`` take the drop-ins' settings. Launch with torchrun or
+``hetdp run``, whose emulation reaches them with no code.
 """
 
 from __future__ import annotations
@@ -13,19 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from hetdp.allocate.policy import AllocationPolicy
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig
+from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ConfigError("hetdp.integrations.lightning needs PyTorch Lightning: pip install 'hetdp[lightning]'") from error
@@ -33,7 +37,19 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 log = logging.getLogger(__name__)
 
 
-class HetdpStrategy(DDPStrategy):
+class _SampleMeans:
+    """A strategy's ``reduce`` that takes the mean of integers as a float: ``self.log``'s epoch means divide by the mean
+    of the ranks' sample counts, which unequal shares make fractional (DDP would floor it: 50 samples on 4 ranks read
+    as 12 a rank, and the mean loss came out 4% high)."""
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        mean = reduce_op is not None and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg")
+        if isinstance(tensor, torch.Tensor) and mean and not tensor.is_floating_point():
+            tensor = tensor.double()
+        return super().reduce(tensor, group, reduce_op)  # type: ignore[misc]
+
+
+class HetdpStrategy(_SampleMeans, DDPStrategy):
     """Lightning's DDP strategy, with ``hetdp.DDP`` in place of torch's: rank i trains ``shares[i]`` of every step.
 
     The model is wrapped in ``hetdp.DDP(allocation, sync)``; the training loader
@@ -136,21 +152,88 @@ class HetdpStrategy(DDPStrategy):
                             "an epoch it saved inside starts over at its first batch", checkpoint_path)
         return checkpoint
 
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Reduce as DDPStrategy does, but take the mean of integers as a float: ``self.log``'s epoch means divide by
-        the mean of the ranks' sample counts, which unequal shares make fractional (DDP would floor it: 50 samples
-        on 4 ranks read as 12 a rank, and the mean loss came out 4% high)."""
-        mean = reduce_op is not None and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg")
-        if isinstance(tensor, torch.Tensor) and mean and not tensor.is_floating_point():
-            tensor = tensor.double()
-        return super().reduce(tensor, group, reduce_op)
-
     def teardown(self) -> None:
         model = self.model
         super().teardown()
         if isinstance(model, DistributedDataParallel):
             model.close()
         self._resumed = None
+
+
+class HetdpShardedStrategy(_SampleMeans, ModelParallelStrategy):
+    """Lightning's FSDP2 strategy (``ModelParallelStrategy``: ``fully_shard`` applied in ``configure_model``) with the
+    sharded drop-in over the module's units: rank i trains ``shares[i]`` samples of every step, exactly.
+
+    Data parallel over every rank (``tensor_parallel_size=1``, the default here). Once Lightning has set the module
+    up, the drop-in installs its weighed and timed collectives on every FSDP2 unit under it (sharded by torch's
+    ``fully_shard`` or hetdp's); the training loader is re-cut by ``allocate``, the same number of batches on every
+    rank; validation and the other loaders are left as Lightning made them. Clipping (``gradient_clip_val``) and
+    precision plugins are Lightning's own. Lightning's Trainer reduce-scatters every batch it accumulates
+    (``accumulate_grad_batches``): each is a step of the drop-in, weighed by its own shares. Each epoch's figures
+    reach Lightning's loggers as ``hetdp/...`` metrics.
+
+    Lightning's checkpoints hold none of hetdp's allocation or position: a fit resumed with ``ckpt_path`` starts
+    the allocation afresh.
+
+    .. warning::
+        Every rank must run the same Trainer settings: each step is collective, and every rank joins every unit's
+        collectives.
+
+    Example::
+
+        >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
+        >>> import hetdp.integrations.lightning
+        >>> trainer = L.Trainer(strategy="hetdp_fsdp", devices=4)   # was: ModelParallelStrategy(data_parallel_size=4,
+        >>> trainer.fit(model, train_loader)                       #                           tensor_parallel_size=1)
+    """
+
+    strategy_name = "hetdp_fsdp"
+
+    def __init__(self, allocation: str | AllocationPolicy | None = None, *, step_timeout_s: float = 60.0,
+                 metrics: MetricsConfig | None = None, **kwargs: Any) -> None:
+        """Args: ``allocation``, ``step_timeout_s`` and ``metrics`` as ``hetdp.fully_shard`` takes them; ``kwargs`` as
+        ``ModelParallelStrategy`` takes them (``data_parallel_size`` defaults to every rank, ``tensor_parallel_size``
+        to 1: the drop-in shards over every rank)."""
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(**kwargs)
+        self.settings = DropInSettings(allocation=allocation, step_timeout_s=step_timeout_s, metrics=metrics)
+        self.drop_in: ShardedDropIn | None = None
+        self.loader: _ResumableLoader | None = None
+        """The training loader as re-cut, once Lightning asked for it."""
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_processes * self.num_nodes
+        if self._tensor_parallel_size != 1:
+            raise ConfigError(f"strategy='hetdp_fsdp' shards over every rank: tensor_parallel_size must be 1, got "
+                              f"{self._tensor_parallel_size!r}")
+        super().setup_environment()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.drop_in is None:
+            module = self.lightning_module
+            units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+            self.drop_in = ShardedDropIn(module, units, self.settings)
+            if not any(isinstance(c, _Steps) for c in trainer.callbacks):
+                trainer.callbacks.insert(0, _Steps(self))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Re-cut the training loader by the shares; leave every other loader as it is."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.drop_in is None:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise ConfigError(f"strategy='hetdp_fsdp' re-cuts a torch DataLoader, got a {type(dataloader).__name__} "
+                              "as the training loader")
+        self.loader = _ResumableLoader(self.drop_in.allocate(dataloader))
+        return self.loader
+
+    def teardown(self) -> None:
+        if self.drop_in is not None:
+            self.drop_in.close()
+            self.drop_in = None
+        super().teardown()
 
 
 class _LightningDDP(DistributedDataParallel):
@@ -230,3 +313,6 @@ def _figures(report: EpochReport) -> dict[str, float]:
 if HetdpStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(HetdpStrategy.strategy_name, HetdpStrategy,
                               description="hetdp.DDP: ranks train unequal shares of every step, sized by speed")
+if HetdpShardedStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(HetdpShardedStrategy.strategy_name, HetdpShardedStrategy,
+                              description="hetdp.fully_shard over Lightning's FSDP2 path: unequal shares, sharded")

@@ -7,8 +7,10 @@ last step of 2 samples for 4 ranks; then the same fit under ``precision="bf16-mi
 with an optimizer step per batch, stopped after its fifth (the second epoch's first), where a ``ModelCheckpoint``
 saved; "resumed": a new launch that resumes it with ``ckpt_path``; "local": the interrupted fit under local SGD
 (replicas apart until the epoch ends), each rank comparing its parameters with the checkpoint. "emulated": adaptive
-shares under ``hetdp run``'s emulation (the environment), saved after the fit and resumed for a second epoch. Rank 0
-(or every rank) saves what the test checks.
+shares under ``hetdp run``'s emulation (the environment), saved after the fit and resumed for a second epoch.
+"sharded": Lightning's FSDP2 path (``fully_shard`` in ``configure_model``) under ``strategy="hetdp_fsdp"`` at unequal
+static shares, with clipping, against one process (tests/distributed/test_sharded.py's reference). Rank 0 (or every
+rank) saves what the test checks.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from dropin_worker import Pairs, make_model
+from sharded_worker import BATCH, SEED, full_state, loss_of, make_optimizer, sequences
+from sharded_worker import make_model as make_language_model
 from torch import nn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
 
 import hetdp
 from hetdp.errors import ConfigError
-from hetdp.integrations.lightning import HetdpStrategy
+from hetdp.integrations.lightning import HetdpShardedStrategy, HetdpStrategy
 
 
 class Classifier(L.LightningModule):
@@ -74,6 +79,26 @@ class Classifier(L.LightningModule):
         schedule = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=0.05, total_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Sharded(L.LightningModule):
+    """The sharded tests' language model, sharded by torch's fully_shard where Lightning expects it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_language_model()
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return loss_of(self.net, batch[0])
+
+    def configure_optimizers(self):
+        return make_optimizer(self.net, "adamw")
 
 
 class StopAfter(Callback):
@@ -148,6 +173,22 @@ def run(scenario: str, out: Path) -> dict:
         return {"shares": report.shares, "replans": report.replans, "speeds": list(model.hetdp.emulation.speeds),
                 "resumed_first": resumed.hetdp.step_figures[0].shares,
                 "resumed_epochs": len(resumed.hetdp.epoch_reports)}
+    if scenario == "sharded":
+        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                            strategy=HetdpShardedStrategy(hetdp.Static((1.0, 1.0, 2.0, 4.0))), max_epochs=2,
+                            gradient_clip_val=0.5, use_distributed_sampler=False, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        model = Sharded()
+        dataset = sequences()  # the process group may not exist yet: the sampler is told its place
+        sampler = DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+                                     seed=SEED)
+        trainer.fit(model, DataLoader(dataset, batch_size=BATCH, sampler=sampler))
+        drop_in = trainer.strategy.loader.model
+        state = full_state(model.net)
+        if trainer.global_rank == 0:
+            torch.save(state, out / "lightning_sharded.pt")
+        return {"blocks": [f.shares for f in drop_in.step_figures], "shares": drop_in.shares,
+                "epochs": len(drop_in.epoch_reports), "closed": drop_in._group is None}
     raise SystemExit(f"unknown scenario {scenario}")
 
 

@@ -48,7 +48,8 @@ def test_a_device_table_needs_no_link_fields_and_becomes_an_emulation():
     assert emulation.sample_cost_ms == pytest.approx(1.25)  # the slowest device's time per sample
     assert emulation.speeds == pytest.approx((2.5, 1.0))
     a6000, rtx = emulation.devices
-    assert a6000 == DeviceModel(step_overhead_ms=8, knee=32, max_batch=225, micro_overhead_ms=4)  # (48000-3000)/200
+    assert a6000 == DeviceModel(step_overhead_ms=8, knee=32, max_batch=225, micro_overhead_ms=4,  # (48000-3000)/200
+                                memory_mb=48000, fixed_memory_mb=3000, activation_mb_per_sample=200)
     assert rtx.max_batch == 40 and rtx.knee == 0
     assert emulation.block_s(1, 80) == pytest.approx(80 * 1.25 / 1000)  # two micro-batches, no overheads
     assert Emulation.from_env(emulation.to_env()) == emulation

@@ -171,3 +171,45 @@ def test_a_restart_between_two_steps_alone_stops_the_deadline_running_on():
     resumed = timeline.now
     _step(pacer, timeline, 1, compute_s=0.005, host_s=0.0, alone=True)
     assert timeline.now - resumed == pytest.approx(BLOCK_S)
+
+
+def _lockstep_step(pacer: Pacer, timeline: Timeline, segments_s: list[float], waits_s: list[float],
+                   samples: float = 20) -> float:
+    """A step of FSDP2's lockstep: real compute segments, each followed by a collective that waits; paced as the
+    sharded clock paces (the k-th collective at k / n of the block). Returns its compute seconds (no waits)."""
+    started, waited = timeline.now, 0.0
+    pacer.start(0, samples)
+    count = len(waits_s)
+    for index, (compute_s, wait_s) in enumerate(zip(segments_s, waits_s)):
+        timeline.work(compute_s)
+        segment_began = timeline.now - compute_s
+        pacer.pace(0, samples, (index + 1) / count, timeline.now - started - waited, timeline.now - segment_began)
+        timeline.work(wait_s)
+        waited += wait_s
+    pacer.finish_segments(0, samples, timeline.now - started - waited, 0.0)
+    return timeline.now - started - waited
+
+
+def test_lockstep_pacing_counts_compute_not_the_waits_inside_collectives():
+    # Four collectives, each waiting 30 ms for the others: a wall-clock deadline would be long past at each, and the
+    # rank would run at its real speed; in compute time each reaches its quarter of the block.
+    timeline = Timeline()
+    computed_s = _lockstep_step(_pacer(timeline), timeline, [0.001] * 4, [0.030] * 4)
+    assert computed_s == pytest.approx(BLOCK_S)
+    assert timeline.now == pytest.approx(BLOCK_S + 4 * 0.030)
+
+
+def test_lockstep_pacing_spreads_the_block_over_the_collectives():
+    timeline = Timeline()
+    pacer = _pacer(timeline)
+    pacer.start(0, 20)
+    lead_s = LEAD_FRACTION * BLOCK_S
+    pacer.pace(0, 20, 0.5, computed_s=lead_s, segment_s=0.0)
+    assert timeline.sleeps[-1] == pytest.approx(0.5 * (BLOCK_S - lead_s))
+
+
+def test_lockstep_pacing_stretches_each_segment_where_speeds_stretch_measured_time():
+    timeline = Timeline()
+    emulation = Emulation(speeds=(1.0, 4.0))  # no sample cost: rank 0 runs 4 times slower than measured
+    computed_s = _lockstep_step(_pacer(timeline, emulation), timeline, [0.002, 0.003], [0.010, 0.010])
+    assert computed_s == pytest.approx(4 * 0.005)

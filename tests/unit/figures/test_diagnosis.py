@@ -1,4 +1,4 @@
-from hetdp.figures.metrics import diagnose_straggler
+from hetdp.figures.metrics import EpochReport, diagnose_straggler
 
 
 def test_a_slow_computer_is_named_as_the_compute_straggler():
@@ -47,3 +47,18 @@ def test_the_diagnosis_names_the_ranks_that_sat_out_and_why_and_judges_the_membe
     assert "communication-bound" not in text
     assert EpochReport(epoch=0, shares=[1], steps=1, epoch_s=1.0, compute_s=[1.0], wait_s=[0.03],
                        samples=[1]).diagnosis() == "rank 0 trains alone: no straggler, no exchange"
+
+
+def test_a_rank_held_at_its_memory_cap_below_what_its_speed_would_take_is_named():
+    # Rank 3 computes 4 times as fast, but its memory holds 5 of 16 samples: its speed would take 9.
+    report = EpochReport(epoch=0, shares=[4, 4, 3, 5], steps=10, epoch_s=1.0, compute_s=[0.8, 0.8, 0.6, 0.25],
+                         wait_s=[0.05, 0.05, 0.25, 0.6], samples=[40, 40, 30, 50], caps=[None, None, None, 5])
+    assert report.memory_bound() == {3: 9}
+    assert report.diagnosis().endswith("; rank 3 is bound by memory, not speed: its share 5 is its cap, its speed "
+                                       "would take 9")
+
+
+def test_a_cap_its_speed_would_not_reach_bounds_nothing():
+    report = EpochReport(epoch=0, shares=[8, 8], steps=10, epoch_s=1.0, compute_s=[0.8, 0.8], wait_s=[0.1, 0.1],
+                         samples=[80, 80], caps=[None, 8])
+    assert report.memory_bound() == {} and "memory" not in report.diagnosis()

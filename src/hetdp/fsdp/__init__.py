@@ -1,0 +1,1 @@
+"""The sharded drop-in: ``hetdp.fully_shard``, FSDP2 whose ranks compute unequal shares of every step, exactly."""

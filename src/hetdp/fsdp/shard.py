@@ -1,0 +1,228 @@
+"""``hetdp.fully_shard``: torch's ``fully_shard``, whose modules also take ``allocate``, ``shares`` and the drop-in's
+figures: a user's FSDP2 script adopts hetdp by its import and one ``model.allocate(loader)``.
+
+Every module it shards gets ``ShardedModule`` mixed in ahead of torch's
+``FSDP<Class>`` (so that it sees ``set_requires_gradient_sync``, where a loop
+lets gradients wait); the module whose ``allocate`` is called becomes the root of
+a ``ShardedDropIn`` over every unit under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils.data import DataLoader
+
+from hetdp.allocate.pack import CostBalance
+from hetdp.allocate.policy import AllocationPolicy, Allocator
+from hetdp.checkpoint.sharded import ShardedCheckpointer
+from hetdp.cluster.emulate import Emulation
+from hetdp.data.loader import AllocatedLoader
+from hetdp.errors import ConfigError
+from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
+from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
+from hetdp.sync.policy import SyncPolicy
+
+_KEPT_OPTIONS = ("mesh", "reshard_after_forward", "mp_policy")
+"""The ``fully_shard`` keywords the drop-in reads back: the mesh it checks, and what sizes a rank's memory."""
+
+
+class ShardedModule:
+    """What ``hetdp.fully_shard`` adds to a module: the drop-in's surface, as ``hetdp.DDP`` has it.
+
+    ``allocate`` on the root makes the drop-in (collective); before it, ``shares`` is empty and there is no epoch.
+    """
+
+    _hetdp_settings: DropInSettings
+    _hetdp_options: dict[str, Any]
+    _hetdp_drop_in: ShardedDropIn | None = None
+
+    def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
+                 seed: int | None = None, max_batch: int | Sequence[int | None] | Literal["measure"] | None = None,
+                 accumulates: bool = False, cost: CostBalance | Sequence[float] | None = None) -> AllocatedLoader:
+        """Re-cut ``loader`` so that each batch is this rank's share of a step (``hetdp.DDP.allocate``'s arguments),
+        and make this module the root of the sharded drop-in over every unit under it (collective, the first time).
+
+        ``max_batch`` None (and ``"measure"``): each rank's cap comes from its memory once its shard is placed, on
+        CUDA and under ``hetdp run --devices`` (a device table's memory fields); numbers are taken as given.
+        ``own_data`` does not map: each rank holds a shard of one model that every rank trains on every step.
+
+        Raises:
+            ConfigError: as ``hetdp.DDP.allocate``; settings given to a unit below the root; a synchronization
+                other than allreduce; a device that cannot hold its shard plus one sample (named, with the bytes
+                it would need).
+        """
+        return self._drop_in_here().allocate(loader, global_batch=global_batch, shuffle=shuffle, seed=seed,
+                                             max_batch=max_batch, accumulates=accumulates, cost=cost)
+
+    def _drop_in_here(self) -> ShardedDropIn:
+        drop_in = self._hetdp_drop_in
+        if drop_in is None:
+            units = [module for module in self.modules() if isinstance(module, FSDPModule)]  # type: ignore[attr-defined]
+            below = [unit for unit in units if unit is not self and getattr(unit, "_hetdp_settings", None) is not None
+                     and unit._hetdp_settings.given]
+            if below:
+                raise ConfigError(f"hetdp settings (allocation, sync, ...) were given to fully_shard of a "
+                                  f"{type(below[0]).__name__} below the root: give them to the root's fully_shard")
+            drop_in = ShardedDropIn(self, units, self._hetdp_settings)  # type: ignore[arg-type]
+            for unit in units:
+                unit._hetdp_drop_in = drop_in
+        elif drop_in.module is not self:
+            raise ConfigError(f"this {type(self).__name__} is a unit of a {type(drop_in.module).__name__} that "
+                              "allocates already: call allocate on that root")
+        return drop_in
+
+    def _drop_in(self) -> ShardedDropIn:
+        if self._hetdp_drop_in is None:
+            raise ConfigError("call model.allocate(loader) first: the drop-in is made there")
+        return self._hetdp_drop_in
+
+    @property
+    def drop_in(self) -> ShardedDropIn | None:
+        """The sharded drop-in (``begin_step``, ``end_step``, ``record_loss``, ``allocator``, ...), once allocated."""
+        return self._hetdp_drop_in
+
+    @property
+    def shares(self) -> list[int]:
+        """Samples per step of every rank, as last planned ([] before ``allocate``)."""
+        return [] if self._hetdp_drop_in is None else self._hetdp_drop_in.shares
+
+    @property
+    def allocator(self) -> Allocator | None:
+        return None if self._hetdp_drop_in is None else self._hetdp_drop_in.allocator
+
+    @property
+    def last_epoch(self) -> EpochReport | None:
+        """The latest epoch's report (identical on every rank), or None before the first epoch ended."""
+        return None if self._hetdp_drop_in is None else self._hetdp_drop_in.last_epoch
+
+    @property
+    def epoch_reports(self) -> list[EpochReport]:
+        return [] if self._hetdp_drop_in is None else self._hetdp_drop_in.epoch_reports
+
+    @property
+    def step_figures(self) -> Sequence[StepFigures]:
+        """Every rank's figures per step, as far as the last gather."""
+        return [] if self._hetdp_drop_in is None else self._hetdp_drop_in.step_figures
+
+    @property
+    def step_samples(self) -> int | None:
+        """This rank's samples in the open step (None outside one; 0: a stand-in that trains nothing)."""
+        return None if self._hetdp_drop_in is None else self._hetdp_drop_in.step_samples
+
+    def set_shares(self, shares: Sequence[int], *, at_step: int | None = None) -> None:
+        """Set every rank's samples per step by hand (``hetdp.DDP.set_shares``); a share of 0 runs stand-ins."""
+        self._drop_in().set_shares(shares, at_step=at_step)
+
+    def checkpointer(self, folder: str | Path, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                     scaler: Any = None, every: int = 100) -> ShardedCheckpointer:
+        """Save the sharded state every ``every`` steps through torch.distributed.checkpoint, atomically; ``resume()``
+        before the loop (``ShardedDropIn.checkpointer``)."""
+        return self._drop_in().checkpointer(folder, optimizer, scheduler=scheduler, scaler=scaler, every=every)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        super().set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)  # type: ignore[misc]
+        if self._hetdp_drop_in is not None:
+            self._hetdp_drop_in.gradient_sync(requires_gradient_sync)
+
+    def close(self) -> None:
+        """Release the drop-in's process groups and heartbeat (collective, idempotent; nothing before ``allocate``)."""
+        if self._hetdp_drop_in is not None:
+            self._hetdp_drop_in.close()
+
+
+_SURFACE = {name for name in vars(ShardedModule) if not name.startswith("__")} - {"set_requires_gradient_sync"}
+_MIXED: dict[type, type] = {}
+
+
+def _check_names(module: nn.Module) -> None:
+    """Raise ConfigError where the drop-in's surface would hide a name of the module's own class."""
+    clash = sorted(name for name in _SURFACE if hasattr(type(module), name))
+    if clash:
+        raise ConfigError(f"hetdp.fully_shard adds {', '.join(clash)} to {type(module).__name__}, which has its own: "
+                          "rename yours, or shard with torch's fully_shard")
+
+
+def _mix(unit: nn.Module) -> None:
+    """Put ``ShardedModule`` ahead of the unit's ``FSDP<Class>``; torch's ``FSDPModule.__new__`` finds the original
+    class by its place in the order, which moves by two (the new class and the mixin)."""
+    fsdp_class = type(unit)
+    mixed = _MIXED.get(fsdp_class)
+    if mixed is None:
+        mixed = _MIXED[fsdp_class] = type(fsdp_class.__name__, (ShardedModule, fsdp_class), {
+            "__module__": fsdp_class.__module__,
+            "_orig_cls_mro_index": fsdp_class._orig_cls_mro_index + 2})  # type: ignore[attr-defined]
+    unit.__class__ = mixed
+
+
+@overload
+def fully_shard(module: nn.Module, *, allocation: str | AllocationPolicy | None = ..., sync: str | SyncPolicy | None = ...,
+                step_timeout_s: float = ..., metrics: MetricsConfig | None = ..., emulation: Emulation | None = ...,
+                **fsdp_options: Any) -> nn.Module: ...
+
+
+@overload
+def fully_shard(module: list[nn.Module], *, allocation: str | AllocationPolicy | None = ...,
+                sync: str | SyncPolicy | None = ..., step_timeout_s: float = ..., metrics: MetricsConfig | None = ...,
+                emulation: Emulation | None = ..., **fsdp_options: Any) -> list[nn.Module]: ...
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | AllocationPolicy | None = None,
+                sync: str | SyncPolicy | None = None, step_timeout_s: float = 60.0,
+                metrics: MetricsConfig | None = None, emulation: Emulation | None = None,
+                **fsdp_options: Any) -> nn.Module | list[nn.Module]:
+    """torch's ``fully_shard`` (every keyword of it passes through), whose modules also take the drop-in's surface:
+    ``model.allocate(loader)`` on the root makes rank i compute ``shares[i]`` samples of every step, with the
+    gradient exactly the mean over the step's samples.
+
+    Shard as with torch (each block, then the root); the hetdp settings, where given, go to the root's call.
+
+    Args:
+        module: the module (or modules, grouped) to shard, as torch's ``fully_shard`` takes it.
+        allocation: who computes how much (``hetdp.DDP``'s allocations; None: ``$HETDP_ALLOCATION``, else
+            ``"adaptive"``).
+        sync: ``"allreduce"`` only (the default): partial and local synchronization need whole replicas, and every
+            rank takes part in every unit's collectives (``ConfigError`` names why).
+        step_timeout_s: how long a collective of a step waits for the slowest rank before a ``PeerTimeoutError``
+            names it on every survivor: the drop-in's gathers of figures and checkpoints, and over gloo each of
+            FSDP2's all-gathers and reduce-scatters (under NCCL those wait their group's timeout). Too small: a
+            slow but healthy rank raises too.
+        metrics: where rank 0 writes per-step and per-epoch figures, if anywhere.
+        emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
+        fsdp_options: passed to torch's ``fully_shard`` (``mesh``: a 1-D mesh of every rank, if given;
+            ``reshard_after_forward``, ``mp_policy``, ...).
+
+    Returns:
+        What torch's ``fully_shard`` returns: the module(s), now FSDP modules with the drop-in's surface.
+
+    Example::
+
+        >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
+        >>> from hetdp import fully_shard                         # was: from torch.distributed.fsdp import ...
+        >>> for block in model.blocks:
+        ...     fully_shard(block)
+        >>> fully_shard(model)
+        >>> loader = model.allocate(DataLoader(data, batch_size=16, sampler=DistributedSampler(data)))
+        >>> for epoch in range(epochs):
+        ...     loader.sampler.set_epoch(epoch)
+        ...     for (tokens,) in loader:                              # rank i: shares[i] of 16 x 4 samples
+        ...         ...                                              # the loop, clipping, optimizer: unchanged
+        ...     print(model.last_epoch.diagnosis())
+    """
+    settings = DropInSettings(allocation=allocation, sync=sync, step_timeout_s=step_timeout_s, metrics=metrics,
+                              emulation=emulation)
+    for each in module if isinstance(module, list) else [module]:
+        _check_names(each)
+    sharded = torch_fully_shard(module, **fsdp_options)
+    kept = {name: fsdp_options[name] for name in _KEPT_OPTIONS if name in fsdp_options}
+    for unit in sharded if isinstance(sharded, list) else [sharded]:
+        _mix(unit)
+        unit._hetdp_settings = settings
+        unit._hetdp_options = kept
+    return sharded
