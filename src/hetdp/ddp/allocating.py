@@ -1,6 +1,6 @@
 """The drop-in's allocation: ``model.allocate(loader)``, the shares by step, and the allocator that plans them.
 
-``hetdp.DDP`` takes these methods from ``Allocating``; the planner (``planning``)
+``hetdp.DDP`` and the sharded drop-in take these methods from ``Allocating``; the planner (``figures.gather``)
 keeps the schedule of shares, and ``caps`` bounds them by the ranks' memory.
 """
 

@@ -172,7 +172,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
               and self._first_warning("unstepped")):
             warn_unstepped()
         if self._seam is not None and self._steps.open is not None and self._seam.shortcut(self):
-            return self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange (sitout.py)
+            return self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange (seams.py)
         # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
         broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
                      if self.will_sync_module_buffers() else contextlib.nullcontext())
