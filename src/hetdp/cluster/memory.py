@@ -10,12 +10,12 @@ of trial steps at two batch sizes; on CPU there is none.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from hetdp.cluster.emulate import Emulation
@@ -166,9 +166,12 @@ def saved_tensor_bytes(forward: Callable[[], Any], parameters: Callable[[], Iter
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors`` (a DTensor's local shard), each storage once: what they take in
     memory, padding included (FSDP2's shards are views into padded buffers)."""
+    # A DTensor exists only once torch.distributed.tensor was imported: importing it here would cost every DDP
+    # rank 1.4 s of start-up for a type it never holds.
+    dtensor = sys.modules.get("torch.distributed.tensor")
     storages: dict[int, int] = {}
     for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
         storage = local.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
