@@ -3,16 +3,17 @@ while a resumed epoch yields only the batches left (Lightning counts them from t
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hetdp.data.loader import AllocatedLoader
 
-pytest.importorskip("lightning")
-from lightning.fabric.utilities.types import _Stateful  # noqa: E402
-
-from hetdp.integrations.lightning import _ResumableLoader  # noqa: E402
+# Lightning is imported by the tests, not at collection: every pytest worker collects every module, and Lightning's
+# import alone takes several seconds of CPU.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs hetdp[lightning]")
 
 
 class Model:
@@ -32,13 +33,17 @@ class Model:
         return {"position": (0, 1)}
 
 
-def _loader() -> _ResumableLoader:
+def _loader():
+    from hetdp.integrations.lightning import _ResumableLoader
+
     data = TensorDataset(torch.arange(10))
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
     return _ResumableLoader(AllocatedLoader(Model(), loader, global_batch=4))  # type: ignore[arg-type]
 
 
 def test_lightning_keeps_and_restores_the_position_in_the_epoch():
+    from lightning.fabric.utilities.types import _Stateful
+
     loader = _loader()
     assert isinstance(loader, _Stateful)  # Lightning saves it with the fit loop and restores it mid-epoch
     state = loader.state_dict()
