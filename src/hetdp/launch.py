@@ -8,7 +8,7 @@ raised it (not on the ranks stopped after it), and the launch ends in one line
 naming that rank, with its exit code, instead of torchrun's tracebacks and
 failure summary. Both travel through environment variables, so the workers
 start exactly as under torchrun. A launch across nodes (``nodes``) runs this
-node's ranks; its failures name each rank's node too (see :mod:`hetdp.nodes`).
+node's ranks; its failures name each rank's node too (see ``hetdp.nodes``).
 """
 
 from __future__ import annotations

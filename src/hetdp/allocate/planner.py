@@ -2,7 +2,7 @@
 
 ``plan`` picks a solver (``exact``: integer-optimal, ``alm``: the paper's Algorithm 1)
 and returns a ``Plan``; ``evaluate`` prices any given allocation with the
-same cost model (eqs. (2)-(7) of the C-ADP paper, see :mod:`hetdp.allocate.cost`).
+same cost model (eqs. (2)-(7) of the C-ADP paper, see ``hetdp.allocate.cost``).
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def plan(
         cluster: the devices and their links.
         dataset_size: D, samples to distribute (every sample goes to exactly one device).
         epochs: num, epochs of local training, each followed by a weighted merge.
-        method: ``"exact"`` (integer-optimal search, see :mod:`hetdp.allocate.exact`) or
-            ``"alm"`` (the paper's Algorithm 1, see :mod:`hetdp.allocate.alm`).
+        method: ``"exact"`` (integer-optimal search, see ``hetdp.allocate.exact``) or
+            ``"alm"`` (the paper's Algorithm 1, see ``hetdp.allocate.alm``).
         **options: ``min_samples`` (int, default 0: samples every device must receive; a
             device may otherwise get none and only take part in the merge), ``config``
             (an ``AlmConfig`` or ``ExactConfig``), or any field of the method's

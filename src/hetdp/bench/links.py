@@ -1,6 +1,6 @@
 """``hetdp bench links``: C-ADP and the drop-in over real rate-limited links, between emulated hosts.
 
-Four hosts (network namespaces, :mod:`hetdp.hosts`) in two sites: hosts 0 and 1
+Four hosts (network namespaces, ``hetdp.hosts``) in two sites: hosts 0 and 1
 at a fast site, hosts 2 and 3 at a site behind an uplink of ``--uplink-mbit``,
 each host behind a ``--rate-mbit`` link; every rate is a kernel token bucket, so
 every transfer is real packets and no sleep stands for the network. Compute is

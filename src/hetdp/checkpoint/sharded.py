@@ -50,7 +50,7 @@ class ShardedCheckpointer:
     Made by ``model.checkpointer(folder, optimizer, every=K)`` after ``model.allocate(loader)``; call ``resume()``
     before the loop and start the epochs at ``ckpt.epoch``. At most ``every`` steps of work are lost to a failure.
 
-    .. warning::
+    Warning:
         Saving and resuming are collective, and every rank writes and reads ``folder``: it must be one folder that
         every rank reaches (a shared filesystem across machines).
     """

@@ -26,16 +26,18 @@ _MEGABIT = 1e6
 class DeviceSpec:
     """One computing device and its link from the data owner (C-ADP paper, Table 1).
 
-    Example TOML entry (``[[devices]]``)::
+    Example TOML entry (``[[devices]]``):
 
-        name = "gpu-0"
-        batch_size = 64
-        batch_time_s = 0.35          # or: speed = 4.0, with a cluster-level base_batch_time_s
-        bandwidth_mbps = 1000        # `inf` for the data owner itself
-        latency_ms = 5
-        memory_mb = 24000
-        fixed_memory_mb = 2500
-        activation_mb_per_sample = 200
+    ```toml
+    name = "gpu-0"
+    batch_size = 64
+    batch_time_s = 0.35          # or: speed = 4.0, with a cluster-level base_batch_time_s
+    bandwidth_mbps = 1000        # `inf` for the data owner itself
+    latency_ms = 5
+    memory_mb = 24000
+    fixed_memory_mb = 2500
+    activation_mb_per_sample = 200
+    ```
     """
 
     name: str
@@ -105,19 +107,21 @@ class DeviceSpec:
 class ClusterSpec:
     """A data owner (parameter server) and the devices it trains with (C-ADP paper, section 3).
 
-    Example file::
+    Example file:
 
-        sample_bytes = 150_000         # b: bytes per sample (150 KB, an ImageNet image)
-        model_bytes = 2.5e8            # M_m: bytes of model parameters
-        dataset_size = 100_000         # optional: D, the default of `hetdp plan --dataset-size`
-        base_batch_time_s = 1.2        # optional: seconds per batch at speed 1, for devices given by `speed`
-        base_batch_size = 64           # optional: the batch size base_batch_time_s was measured at
+    ```toml
+    sample_bytes = 150_000         # b: bytes per sample (150 KB, an ImageNet image)
+    model_bytes = 2.5e8            # M_m: bytes of model parameters
+    dataset_size = 100_000         # optional: D, the default of `hetdp plan --dataset-size`
+    base_batch_time_s = 1.2        # optional: seconds per batch at speed 1, for devices given by `speed`
+    base_batch_size = 64           # optional: the batch size base_batch_time_s was measured at
 
-        [[devices]]
-        name = "gpu-0"
-        batch_size = 64
-        speed = 4.0
-        bandwidth_mbps = 1000
+    [[devices]]
+    name = "gpu-0"
+    batch_size = 64
+    speed = 4.0
+    bandwidth_mbps = 1000
+    ```
 
     A device gives either ``batch_time_s`` or ``speed``. With ``speed``,
     ``batch_time_s = base_batch_time_s / speed``, scaled by ``batch_size /

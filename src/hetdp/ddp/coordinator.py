@@ -47,7 +47,7 @@ class StepCoordinator(Allocating, CheckpointState):
     ``_steps`` (its open step), builds its exchange, then calls ``_coordinate``; it opens and closes its exchange's
     side of each step in ``_open_step`` and ``_close_step``.
 
-    .. warning::
+    Warning:
         Every rank must open and close the same steps and epochs in the same order: the gathers of figures, the
         re-plans and the epochs' ends are collective.
     """

@@ -111,7 +111,7 @@ class ShardedDropIn(StepCoordinator):
     samples whatever the shares; every collective is timed and paced on ``ShardedClock``; the steps, epochs,
     figures, re-plans and allocation are the ones ``hetdp.DDP`` has.
 
-    .. warning::
+    Warning:
         Every rank must run every step, in the same order: FSDP2 gathers and reduce-scatters every unit in every
         forward and backward. A rank with no sample in a step runs a one-sample stand-in in eval mode, weighted 0.
     """

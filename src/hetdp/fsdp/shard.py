@@ -201,8 +201,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
     Returns:
         What torch's ``fully_shard`` returns: the module(s), now FSDP modules with the drop-in's surface.
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> from hetdp import fully_shard                         # was: from torch.distributed.fsdp import ...
         >>> for block in model.blocks:

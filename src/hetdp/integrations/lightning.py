@@ -175,12 +175,11 @@ class HetdpShardedStrategy(_SampleMeans, ModelParallelStrategy):
     Lightning's checkpoints hold none of hetdp's allocation or position: a fit resumed with ``ckpt_path`` starts
     the allocation afresh.
 
-    .. warning::
+    Warning:
         Every rank must run the same Trainer settings: each step is collective, and every rank joins every unit's
         collectives.
 
-    Example::
-
+    Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> import hetdp.integrations.lightning
         >>> trainer = L.Trainer(strategy="hetdp_fsdp", devices=4)   # was: ModelParallelStrategy(data_parallel_size=4,
