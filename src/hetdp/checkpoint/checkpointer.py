@@ -10,6 +10,7 @@ fault.
 
 from __future__ import annotations
 
+import abc
 import logging
 import re
 import warnings
@@ -106,16 +107,12 @@ class Checkpointed(Protocol):
     def load_hetdp_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class Checkpointer:
-    """Saves the training state every ``every`` steps and resumes from the newest checkpoint.
+class StepCheckpointer(abc.ABC):
+    """What the checkpointers of both drop-ins share: their settings, which steps save, and the scheduler's and
+    scaler's state. ``save`` and ``resume`` are each drop-in's own (one file from rank 0, or every rank's shards)."""
 
-    Made by ``model.checkpointer(folder, optimizer, every=K)`` after ``model.allocate(loader)``; call ``resume()``
-    before the loop and start the epochs at ``ckpt.epoch``. The model's step hook saves; at most ``every`` steps of
-    work are lost to a failure.
-    """
-
-    def __init__(self, model: Checkpointed, folder: str | Path, optimizer: torch.optim.Optimizer, *,
-                 scheduler: Any = None, scaler: Any = None, every: int = 100) -> None:
+    def __init__(self, model: Any, folder: str | Path, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                 scaler: Any = None, every: int = 100) -> None:
         if every < 1:
             raise ConfigError(f"a checkpoint every {every} steps: give every >= 1")
         # Weakly: the model holds its checkpointer, and a cycle would leave the model to a garbage collection that may
@@ -129,21 +126,50 @@ class Checkpointer:
         self.epoch = 0
         """The epoch the loop starts at (the saved one after a resume)."""
 
-    # --- saving ------------------------------------------------------------------------------------------------
-
     def saves_after(self, steps_done: int) -> bool:
         """Whether the step that makes the count ``steps_done`` ends in a save (a multiple of ``every``)."""
         return steps_done % self.every == 0
-
-    def meets_after(self, steps_done: int) -> bool:
-        """A step-end listener's question: whether the step that makes the count ``steps_done`` needs the ranks'
-        replicas to be one (it saves)."""
-        return self.saves_after(steps_done)
 
     def step_ended(self, steps_done: int) -> None:
         """A step-end listener: save when the step count reaches a multiple of ``every``."""
         if self.saves_after(steps_done):
             self.save()
+
+    @abc.abstractmethod
+    def save(self) -> Path | None:
+        """Write the state now (collective)."""
+
+    @abc.abstractmethod
+    def resume(self) -> bool:
+        """Load the newest checkpoint on every rank (collective); return whether there was one."""
+
+    def _schedule_state(self) -> dict[str, Any]:
+        return {"scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    def _load_schedule_state(self, saved: dict[str, Any]) -> None:
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler is not None and saved["scaler"] is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+
+
+class Checkpointer(StepCheckpointer):
+    """Saves the training state every ``every`` steps and resumes from the newest checkpoint.
+
+    Made by ``model.checkpointer(folder, optimizer, every=K)`` after ``model.allocate(loader)``; call ``resume()``
+    before the loop and start the epochs at ``ckpt.epoch``. The model's step hook saves; at most ``every`` steps of
+    work are lost to a failure.
+    """
+
+    model: Checkpointed
+
+    # --- saving ------------------------------------------------------------------------------------------------
+
+    def meets_after(self, steps_done: int) -> bool:
+        """A step-end listener's question: whether the step that makes the count ``steps_done`` needs the ranks'
+        replicas to be one (it saves)."""
+        return self.saves_after(steps_done)
 
     def save(self) -> Path | None:
         """Write the state now (collective: the ranks meet if their synchronization does, so that the file holds
@@ -160,8 +186,7 @@ class Checkpointer:
             "random": random_states,
             "module": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            **self._schedule_state(),
             "hetdp": self.model.hetdp_state_dict(),
         }
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -197,10 +222,7 @@ class Checkpointer:
             return False
         self.model.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        self._load_schedule_state(state)
         self.model.load_hetdp_state_dict(state["hetdp"])
         random_states = state.get("random")
         if random_states is not None and len(random_states) == self.model.world_size:

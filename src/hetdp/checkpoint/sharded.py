@@ -10,19 +10,17 @@ data, and each rank's random state under its own key. Saves and loads go through
 from __future__ import annotations
 
 import logging
-import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hetdp.checkpoint.checkpointer import KEEP
+from hetdp.checkpoint.checkpointer import KEEP, StepCheckpointer
 from hetdp.checkpoint.dcp import latest_sharded, load_sharded, packed, save_sharded, unpacked
 from hetdp.data.randomness import random_state
-from hetdp.errors import CheckpointError, ConfigError
+from hetdp.errors import CheckpointError
 from hetdp.runtime import peer_failures
 
 log = logging.getLogger(__name__)
@@ -44,7 +42,7 @@ class ShardedModel(Protocol):
     def load_hetdp_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class ShardedCheckpointer:
+class ShardedCheckpointer(StepCheckpointer):
     """Saves the sharded training state every ``every`` steps and resumes from the newest complete save.
 
     Made by ``model.checkpointer(folder, optimizer, every=K)`` after ``model.allocate(loader)``; call ``resume()``
@@ -55,27 +53,11 @@ class ShardedCheckpointer:
         every rank reaches (a shared filesystem across machines).
     """
 
-    def __init__(self, model: ShardedModel, folder: str | Path, optimizer: torch.optim.Optimizer, *,
-                 scheduler: Any = None, scaler: Any = None, every: int = 100) -> None:
-        if every < 1:
-            raise ConfigError(f"a checkpoint every {every} steps: give every >= 1")
-        self.model = weakref.proxy(model)  # the model holds its checkpointer
-        self.folder = Path(folder)
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.scaler = scaler
-        self.every = every
-        self.epoch = 0
-        """The epoch the loop starts at (the saved one after a resume)."""
+    model: ShardedModel
 
     def meets_after(self, steps_done: int) -> bool:
         """A step-end listener's question: sharded ranks hold one model at every step, so no save needs a meeting."""
         return False
-
-    def step_ended(self, steps_done: int) -> None:
-        """A step-end listener: save when the step count reaches a multiple of ``every``."""
-        if steps_done % self.every == 0:
-            self.save()
 
     def save(self) -> Path:
         """Write the state now (collective); keeps the last ``KEEP`` saves."""
@@ -89,9 +71,7 @@ class ShardedCheckpointer:
                             timeout_s=model.step_timeout_s, group=model._group)
 
     def _extra(self) -> dict[str, Any]:
-        return {"scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "scaler": None if self.scaler is None else self.scaler.state_dict(),
-                "hetdp": self.model.hetdp_state_dict()}
+        return {**self._schedule_state(), "hetdp": self.model.hetdp_state_dict()}
 
     def resume(self) -> bool:
         """Load the newest complete save on every rank (collective); return whether there was one.
@@ -125,10 +105,7 @@ class ShardedCheckpointer:
         load_sharded(state, path, model._group)
         set_state_dict(model.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        if self.scheduler is not None and saved["scheduler"] is not None:
-            self.scheduler.load_state_dict(saved["scheduler"])
-        if self.scaler is not None and saved["scaler"] is not None:
-            self.scaler.load_state_dict(saved["scaler"])
+        self._load_schedule_state(saved)
         model.load_hetdp_state_dict(saved["hetdp"])
         if same_ranks:
             model.resume_random_state = unpacked(state[random_key], path)
