@@ -492,7 +492,8 @@ class Allocator:
         seen = self._refused.get(tuple(members))
         if seen is None:
             return False
-        drift = self.policy.drift if isinstance(self.policy, Adaptive) and self.policy.drift is not None else 0.2
+        policy: Adaptive = self.policy  # type: ignore[assignment]  (only an adaptive policy decides membership)
+        drift = policy.drift if policy.drift is not None else Adaptive.drift
         if any(then is not None and now is not None and abs(now - then) > drift * then
                for then, now in zip(seen, self.sample_s)):
             del self._refused[tuple(members)]

@@ -165,8 +165,7 @@ class Allocating:
             ConfigError: before ``allocate``, shares that do not fit the ranks and the global batch, or an
                 ``at_step`` this rank's loader has already cut (its workers fetch batches ahead).
         """
-        loader = self._planner.loader() if self._planner.loader is not None else None
-        horizon = loader.sampler.next_step if loader is not None else self.steps_done
+        horizon = self._planner.horizon
         if at_step is None:
             at_step = max(self._gather_objects(horizon, "agreeing on the first step of the set shares"))
         elif at_step < horizon:

@@ -141,7 +141,6 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
         self._coordinate(module, self.synchronizer, group, metrics, functools.partial(progress, weakref.ref(self)))
-        self._planner.sitting = self._sitting
         self._followers: Followers[DistributedDataParallel] = Followers()
         self._follows = follow is not None
         if follow is not None:

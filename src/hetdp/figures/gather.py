@@ -21,7 +21,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,6 @@ if TYPE_CHECKING:
     from hetdp.data.loader import AllocatedLoader
     from hetdp.data.steps import StepTicket
 
-
-class Members(Protocol):
-    """Who takes part in each step's exchange (``hetdp.membership.schedule.SitOut``)."""
-
-    def members_at(self, step: int) -> tuple[int, ...]: ...
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +120,6 @@ class Planner:
         """This rank's steps since the last gather."""
         self._planning: _PlanningGather | None = None
         """The gather in flight in the background, if any (``_start_planning``)."""
-        self.sitting: Members | None = None
-        """Under allreduce, who takes part in each step (``SitOut``), set by the model."""
 
     def start(self, allocator: Allocator) -> None:
         """Plan with ``allocator`` from the next step on."""
@@ -237,9 +230,8 @@ class Planner:
 
     def _row(self, pending: list[EndedStep], extra: Sequence[float], *, read_all: bool) -> FiguresRow:
         """This rank's row; unless ``read_all``, a step whose times are still on the device goes as NaN (unknown)."""
-        loader = self.loader() if self.loader is not None else None
         known = [read_all or ended.times.completed for ended in pending]
-        return FiguresRow(horizon=loader.sampler.next_step if loader is not None else self.steps_done,
+        return FiguresRow(horizon=self.horizon,
                           compute_s=[ended.times.compute_s if ok else math.nan for ended, ok in zip(pending, known)],
                           wait_s=[ended.times.wait_s if ok else math.nan for ended, ok in zip(pending, known)],
                           samples=[ended.ticket.samples for ended in pending], extra=list(extra))
@@ -295,10 +287,7 @@ class Planner:
         if shares is None:
             return
         first = max(horizon, self.steps_done)
-        self.schedule.append((first, shares))
-        listener = self._on_replan()
-        if listener is not None:
-            listener(first, shares)
+        self._announce(first, shares)
         log.debug("rank %d: shares %s from step %d", self.rank, shares, first)
 
     def force(self, first: int, shares: list[int]) -> None:
@@ -308,10 +297,21 @@ class Planner:
         if self.allocator is None:
             raise ConfigError("set_shares() before allocate(): the shares are of the allocated loader's steps")
         self.allocator.take(shares)
-        self.schedule.append((first, list(shares)))
+        self._announce(first, list(shares))
+
+    def _announce(self, first: int, shares: list[int]) -> None:
+        """Schedule ``shares`` from global step ``first`` on, and tell the re-plan listener (the loader's sampler)."""
+        self.schedule.append((first, shares))
         listener = self._on_replan()
         if listener is not None:
-            listener(first, list(shares))
+            listener(first, shares)
+
+    @property
+    def horizon(self) -> int:
+        """The first step this rank's loader has not cut yet (its workers fetch ahead): the earliest a plan can
+        change."""
+        loader = self.loader() if self.loader is not None else None
+        return loader.sampler.next_step if loader is not None else self.steps_done
 
     def restore(self, steps_done: int, allocator_state: dict[str, Any] | None, saved_world: int) -> None:
         """Continue a saved run at ``steps_done``: its allocator's state where it ran on as many ranks (else the
@@ -324,9 +324,7 @@ class Planner:
             else:
                 log.warning("rank %d: checkpoint of %d ranks resumed on %d; the allocation starts afresh",
                             self.rank, saved_world, self.world_size)
-            self.schedule = [(steps_done, list(self.allocator.shares))]
-            listener = self._on_replan()
-            if listener is not None:
-                listener(steps_done, list(self.allocator.shares))
+            self.schedule = []
+            self._announce(steps_done, list(self.allocator.shares))
         self._pending = []
         self.since_meeting = 0

@@ -75,8 +75,8 @@ def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mappi
         policy = options(unit).get("mp_policy")
         param_dtype = getattr(policy, "param_dtype", None)
         reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-        gathered = sum(p.numel() * _size(param_dtype or p.dtype) for p in own)
-        reduced = sum(p.numel() * _size(reduce_dtype or p.dtype) for p in own)
+        gathered = sum(p.numel() * (param_dtype or p.dtype).itemsize for p in own)
+        reduced = sum(p.numel() * (reduce_dtype or p.dtype).itemsize for p in own)
         reshard = options(unit).get("reshard_after_forward")
         kept = reshard is False or (reshard is None and any(unit is top for top in roots))
         shapes.append(UnitShape(gathered_bytes=gathered, reduced_bytes=reduced, kept=kept))
@@ -85,10 +85,6 @@ def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mappi
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def footprint(shapes: Sequence[UnitShape], parameter_bytes: int) -> Footprint:
