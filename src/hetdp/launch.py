@@ -31,8 +31,8 @@ from typing import Any
 
 import psutil
 
-from hetdp.errors import ConfigError, HetDPError, PeerTimeoutError, WorkerError
-from hetdp.nodes import Nodes, node_of, publish_node, this_node
+from hetdp.errors import ConfigError, HetDPError, WorkerError
+from hetdp.nodes import Nodes, this_node
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
@@ -329,10 +329,6 @@ def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = Fal
 def report_error(error: HetDPError) -> bool:
     """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    culprit = error.rank if isinstance(error, PeerTimeoutError) else None
-    if culprit is not None and this_node() is not None and str(culprit) != os.environ.get("RANK", "0"):
-        label = node_of(culprit, os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0")))
-        text += f"; rank {culprit} ran on {label}" if label is not None else ""
     return _report(text, exit_code=2, retry=not isinstance(error, ConfigError))
 
 
@@ -401,8 +397,6 @@ def _worker(argv: list[str]) -> None:
     module = argv[0] == "-m"
     target, rest = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *rest]
-    if this_node() is not None:
-        publish_node()
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -1,4 +1,4 @@
-"""Heartbeats on the launcher's store, so that a failed collective can say which peer went silent.
+"""Heartbeats on the process group's store, so that a failed collective can say which peer went silent.
 
 A gloo or NCCL collective that times out says only that it timed out, and every
 survivor blames nobody. Each rank of a drop-in's group therefore beats into the
@@ -22,6 +22,7 @@ import atexit
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -29,6 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from hetdp.nodes import this_node
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +45,12 @@ STORE_TIMEOUT_S = 5.0
 VERDICT_S = SILENCE_S + 2 * STORE_TIMEOUT_S
 """Longest a survivor takes to name the culprit once a collective failed: two reads of the beats ``SILENCE_S``
 apart, and the store's slowest answers. A watchdog that ends the process sooner (NCCL's) must wait past it."""
-CONNECT_TIMEOUT_S = 60.0
-"""Longest wait to connect to the store: it answered ``init_process_group`` moments before, but a loaded machine
-may be slow to accept."""
 
 _watched: dict[int, Heartbeat] = {}
 """The running heartbeat of each process group, by ``id(group)``."""
-_idle_clients: dict[tuple[int, str, str], list[tuple[dist.Store, dist.Store]]] = {}
-"""Store clients of stopped heartbeats, by (process id, host, port): a forked child never takes its parent's."""
+_idle_clients: dict[tuple[int, int], list[tuple[dist.Store, dist.Store]]] = {}
+"""Store clients of stopped heartbeats, by (process id, the default store's id): a forked child never takes its
+parent's."""
 _idle_lock = threading.Lock()
 
 
@@ -109,8 +111,8 @@ class Heartbeat:
     """One rank's beat in ``group`` and its diagnosis of a failed collective; collective to create.
 
     ``progress`` says how far this rank got (any number that grows as it trains, the same scale on every rank).
-    Without a launcher's store (``MASTER_ADDR`` / ``MASTER_PORT``), or if it cannot be reached, it does nothing
-    and diagnoses nobody: the heartbeat only names culprits, training never waits on it.
+    It beats into the store the default process group was initialised with, so it works under every launcher and
+    init method; if that store cannot be reached it does nothing and diagnoses nobody: the heartbeat only names culprits, training never waits on it.
     """
 
     def __init__(self, group: dist.ProcessGroup, progress: Callable[[], int]) -> None:
@@ -121,8 +123,8 @@ class Heartbeat:
         message = [f"hetdp/live/{uuid.uuid4().hex}/" if self.rank == 0 else None]
         dist.broadcast_object_list(message, group=group, group_src=0)
         self._prefix: str = message[0]  # type: ignore[assignment]
-        self._address: tuple[int, str, str] | None = None
-        """(process id, host, port) of the store clients, once connected."""
+        self._address: tuple[int, int] | None = None
+        """(process id, the default store's id) of the store clients, once connected."""
         self._store, self._beater = self._connect()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,24 +132,24 @@ class Heartbeat:
         self._verdict: Verdict | None = None
 
     def _connect(self) -> tuple[dist.Store | None, dist.Store | None]:
-        """Two clients of the launcher's store, one for diagnoses and one for the beating thread (a client is not
-        shared between threads): a stopped heartbeat's if this process has some, else new ones; (None, None) without
-        a store or if it does not answer."""
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not (host and port):
+        """Two clients of the process group's own store, one for diagnoses and one for the beating thread (a client
+        is not shared between threads): a stopped heartbeat's if this process has some, else clones of the store
+        that initialised the default group, whatever its init method (``env://``, ``tcp://``, ``file://``, an
+        engine's); (None, None) if there is none or it does not answer."""
+        try:
+            base = distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # a group given a store object of the caller's own
             return None, None
-        self._address = (os.getpid(), host, port)
+        self._address = (os.getpid(), id(base))
         with _idle_lock:
             idle = _idle_clients.get(self._address)
             if idle:
                 return idle.pop()
         try:
-            store = dist.TCPStore(host, int(port), is_master=False,
-                                  timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
-            beater = store.clone()
+            store, beater = base.clone(), base.clone()
         except (dist.DistError, RuntimeError) as error:
-            log.warning("rank %d: no heartbeat, the store at %s:%s did not answer (%s); a failed collective will "
-                        "not name its culprit", self.ranks[self.rank], host, port, error)
+            log.warning("rank %d: no heartbeat, the process group's store did not answer (%s); a failed collective "
+                        "will not name its culprit", self.ranks[self.rank], error)
             return None, None
         for client in (store, beater):
             client.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
@@ -160,6 +162,7 @@ class Heartbeat:
         beats = 1
         try:
             self._beat(self._beater, beats)
+            self._beater.set(f"{self._prefix}node/{self.rank}", this_node() or f"host {socket.gethostname()}")
         except (dist.DistError, RuntimeError) as error:
             log.warning("rank %d: no heartbeat, the store did not take a beat (%s)", self.ranks[self.rank], error)
             return self
@@ -204,6 +207,16 @@ class Heartbeat:
                     log.warning("rank %d: the store did not answer a diagnosis: %s", self.ranks[self.rank], error)
             return self._verdict
 
+    def node_of(self, rank: int) -> str | None:
+        """Where ``rank`` (of the group) runs, as it said itself: its ``hetdp run`` node label, else its host; None
+        if it said nothing or the store does not answer."""
+        key = f"{self._prefix}node/{rank}"
+        with self._lock:
+            try:
+                return self._store.get(key).decode() if self._store is not None and self._store.check([key]) else None
+            except (dist.DistError, RuntimeError):
+                return None
+
     def _reach_verdict(self, store: dist.Store) -> Verdict:
         key = self._prefix + "verdict"
         if store.check([key]):
@@ -236,6 +249,15 @@ class Heartbeat:
                 self._beat(store, beats)
             except (dist.DistError, RuntimeError) as error:  # a slow store, or the launcher is gone: try again
                 log.debug("rank %d: a heartbeat was lost: %s", self.ranks[self.rank], error)
+
+
+def elsewhere(group: dist.ProcessGroup | None, culprit: int) -> str | None:
+    """Where the default-group rank ``culprit`` runs, if not where this rank does (None: the same place, or unknown)."""
+    heartbeat = _watched.get(id(group)) if group is not None else None
+    if heartbeat is None or culprit not in heartbeat.ranks:
+        return None
+    there = heartbeat.node_of(heartbeat.ranks.index(culprit))
+    return there if there is not None and there != heartbeat.node_of(heartbeat.rank) else None
 
 
 def diagnose(group: dist.ProcessGroup | None) -> Verdict | None:

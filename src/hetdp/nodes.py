@@ -11,30 +11,20 @@ with one line instead of torchrun's ten minutes.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import ipaddress
 import math
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import psutil
 
 from hetdp.errors import ConfigError
 
-if TYPE_CHECKING:
-    from torch.distributed import Store
-
 ENV_NODE = "HETDP_NODE"
 """This node's label in a launch across nodes (``node 1 (10.0.0.2)``), set for its workers by the launcher."""
 DEFAULT_PORT = 29500
 """The rendezvous port when ``--rdzv-endpoint`` gives none (torchrun's)."""
-NODE_KEY = "hetdp/node/"
-"""Prefix of the store keys where every rank leaves its node's label, for the launchers of other nodes."""
-STORE_TIMEOUT_S = 3.0
-"""Longest wait for the store when leaving or reading a node's label: it only adds a name to a message."""
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -161,42 +151,3 @@ class Nodes:
 def this_node() -> str | None:
     """This worker's node label, in a launch across nodes (None in a one-node launch)."""
     return os.environ.get(ENV_NODE)
-
-
-def _store_client() -> Store | None:
-    """A client of the launch's store (``MASTER_ADDR``/``MASTER_PORT``), or None if there is none or it is gone."""
-    from torch import distributed as dist
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (host and port):
-        return None
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-    except (RuntimeError, ValueError):
-        return None
-
-
-def publish_node() -> None:
-    """Leave this worker's node label in the launch's store under its rank, for other nodes' error messages; a
-    store that does not answer costs the label, never the run."""
-    label, rank = this_node(), os.environ.get("RANK")
-    store = _store_client() if label and rank is not None else None
-    if store is not None:
-        with contextlib.suppress(RuntimeError):
-            store.set(f"{NODE_KEY}{rank}", label)
-
-
-def node_of(rank: int, master_addr: str, master_port: int) -> str | None:
-    """The node label that ``rank`` left in the store at ``master_addr:master_port``; None if it left none or the
-    store does not answer (its node hosted the store and is gone)."""
-    from torch import distributed as dist
-
-    if not (master_addr and master_port):
-        return None
-    try:
-        store = dist.TCPStore(master_addr, master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        key = f"{NODE_KEY}{rank}"
-        return store.get(key).decode() if store.check([key]) else None
-    except (RuntimeError, ValueError):
-        return None

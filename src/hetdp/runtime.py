@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hetdp import liveness
+from hetdp.engines import placement
 from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -42,28 +43,30 @@ class Timeouts:
 
 
 def init_distributed(backend: str | None = None, timeouts: Timeouts | None = None) -> tuple[int, int]:
-    """Join the default process group from torchrun's environment, once; return (rank, world size).
+    """Join the default process group, once, wherever the engine that started this worker put it; return (rank,
+    world size).
 
-    The backend defaults to NCCL when every rank on this machine has a GPU of its
-    own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four
-    emulated workers share a laptop's GPU). A process already in a group keeps
-    it, so library code may call this freely.
+    The placement comes from torchrun's (and ``hetdp run``'s), Slurm ``srun``'s or a PyTorchJob's variables
+    (``hetdp.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
+    ``MASTER_ADDR``...). Under Ray Train the group already exists. The backend defaults to NCCL when every rank on
+    this machine has a GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated
+    workers share a laptop's GPU). A process already in a group keeps it, so library code may call this freely.
+
+    Raises:
+        ConfigError: no engine's variables, or incomplete ones (the message names what is missing).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise ConfigError(
-            f"not launched by torchrun: {', '.join(missing)} unset; start with `hetdp run -n N script.py` or torchrun"
-        )
+    place = placement()
+    os.environ.update(place.environ())  # torch's env:// initialisation, and code that reads LOCAL_RANK, find them
     timeouts = timeouts or Timeouts()
     _import_dynamo()
     backend = backend or ("nccl" if gpu_per_local_rank() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(place.local_rank)
         defer_nccl_watchdog()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeouts.connect_s))
-    log.debug("rank %d of %d joined with %s", dist.get_rank(), dist.get_world_size(), backend)
+    log.debug("rank %d of %d joined with %s (%s)", dist.get_rank(), dist.get_world_size(), backend, place.engine)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -169,8 +172,11 @@ def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseExcep
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     verdict = liveness.diagnose(group)
     if verdict is not None and verdict.culprits:
-        return PeerTimeoutError(f"{verdict.describe()}: {what} on rank {rank} failed within {timeout_s:g} s ({text})",
-                                rank=verdict.culprits[0], timeout_s=timeout_s)
+        culprit = verdict.culprits[0]
+        there = liveness.elsewhere(group, culprit)
+        where = f"; rank {culprit} ran on {there}" if there is not None else ""
+        return PeerTimeoutError(f"{verdict.describe()}: {what} on rank {rank} failed within {timeout_s:g} s "
+                                f"({text}){where}", rank=culprit, timeout_s=timeout_s)
     return PeerTimeoutError(
         f"rank {rank}: {what} failed within {timeout_s:g} s: a peer died or hung ({text})",
         rank=rank,

@@ -7,6 +7,10 @@ restarts it.)"""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +46,28 @@ def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
         assert outcome["rank"] == victim
         assert outcome["message"].startswith(expected), outcome["message"]
         assert f"{WAITING_IN[where]} on rank {survivor} failed within 3 s" in outcome["message"]
+
+
+def test_a_stopped_rank_is_named_under_tcp_initialisation(tmp_path):
+    """No launcher's variables: plain processes join by tcp:// (as under Ray Train or a script of one's own), and the
+    heartbeats still name the stopped rank, from the process group's own store."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    workers = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), "--out", str(tmp_path), "--how",
+                                 "stop", "--victim", "2", "--tcp", f"127.0.0.1:{port}", "--rank", str(rank),
+                                 "--world-size", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for rank in range(3)]
+    try:
+        for worker in workers[:2]:
+            worker.wait(timeout=90)
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    for survivor in (0, 1):
+        outcome = json.loads((tmp_path / f"rank-{survivor}.json").read_text())
+        assert outcome["rank"] == 2
+        assert outcome["message"].startswith("rank 2 stopped answering"), outcome["message"]
