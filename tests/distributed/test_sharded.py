@@ -20,7 +20,7 @@ from hetdp.launch import run_local
 from .conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
-from sharded_worker import global_batches, loss_of, make_model, make_optimizer  # noqa: E402
+from sharded_worker import CRAFTED_CLASS, global_batches, loss_of, make_model, make_optimizer  # noqa: E402
 
 RANKS = 4
 STEPS_PER_EPOCH = 5
@@ -30,7 +30,7 @@ STEPS_PER_EPOCH = 5
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, torchrun) -> Path:
     folder = tmp_path_factory.mktemp("sharded")
-    torchrun("sharded_worker.py", RANKS, "--out", folder, "--scenarios", "exact,accumulate,mixed,caps", timeout_s=300)
+    torchrun("sharded_worker.py", RANKS, "--out", folder, "--scenarios", "exact,accumulate,mixed,caps,checkpoints", timeout_s=300)
     return folder
 
 
@@ -110,6 +110,25 @@ def test_a_device_too_small_for_its_shard_plus_one_sample_is_one_error_naming_it
     assert error.startswith("rank 3: its emulated device of 0.02 MB cannot hold its shard plus one sample: "
                             f"it would need {need:.3f} MB")
     assert "\n" not in error
+
+
+def test_a_checkpoint_crafted_to_run_code_is_refused_on_every_rank_and_runs_nothing(out):
+    # Its metadata asks DCP's metadata module for a class by a dotted name (one that creates a file when called).
+    errors = [rank_errors["crafted"] for rank_errors in record(out, "checkpoints")["errors"]]
+    assert len(errors) == RANKS
+    for error in errors:
+        assert error.startswith("RefusedCheckpointError: refused checkpoint ") and "step-00000000" in error, error
+        assert f"metadata refers to torch.distributed.checkpoint.metadata.{CRAFTED_CLASS}" in error, error
+    assert not (out / "crafted-ran").exists()
+
+
+def test_a_checkpoint_folder_not_every_rank_sees_is_one_error_at_the_first_save_naming_the_ranks(out):
+    errors = [rank_errors["local"] for rank_errors in record(out, "checkpoints")["errors"]]
+    assert len(errors) == RANKS
+    for error in errors:
+        assert error.startswith("ConfigError: checkpoint folder "), error
+        assert "is not one folder on every rank: ranks 1, 2, 3 cannot read what rank 0 wrote there" in error, error
+        assert "\n" not in error
 
 
 def test_a_killed_rank_resumes_under_restarts_and_a_resume_on_fewer_ranks_reshards_exactly(tmp_path):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hetdp.checkpoint.checkpointer import KEEP, StepCheckpointer
-from hetdp.checkpoint.dcp import latest_sharded, load_sharded, packed, save_sharded, unpacked
+from hetdp.checkpoint.dcp import check_shared, latest_sharded, load_sharded, packed, save_sharded, unpacked
 from hetdp.data.randomness import random_state
 from hetdp.errors import CheckpointError
 from hetdp.runtime import peer_failures
@@ -54,19 +54,29 @@ class ShardedCheckpointer(StepCheckpointer):
     """
 
     model: ShardedModel
+    _folder_checked = False
+    """Whether a save checked that every rank sees ``folder`` (the first save does)."""
 
     def meets_after(self, steps_done: int) -> bool:
         """A step-end listener's question: sharded ranks hold one model at every step, so no save needs a meeting."""
         return False
 
     def save(self) -> Path:
-        """Write the state now (collective); keeps the last ``KEEP`` saves."""
+        """Write the state now (collective); keeps the last ``KEEP`` saves.
+
+        Raises:
+            ConfigError: (at the first save, on every rank) some ranks do not see the folder rank 0 sees; the error
+                names them.
+        """
         model = self.model
         model_state, optimizer_state = get_state_dict(model.module, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state, "extra": packed(self._extra()),
                  f"random.{model.rank}": packed(random_state())}
         if model.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+        if not self._folder_checked:
+            check_shared(self.folder, model.step_timeout_s, model._group)
+            self._folder_checked = True
         return save_sharded(state, self.folder, f"step-{model.steps_done:08d}", keep=KEEP,
                             timeout_s=model.step_timeout_s, group=model._group)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import pickle
+import struct
 import warnings
 from pathlib import Path
 
@@ -226,7 +228,43 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         record.update(shares=model.shares, caps=model.allocator.caps, diagnosis=model.last_epoch.diagnosis())
         model.close()
+    elif scenario == "checkpoints":
+        record.update(checkpoints_scenario(out, rank))
     return record
+
+
+CRAFTED_CLASS = "torch._utils.logging.FileHandler"
+"""A class with a side effect (it creates its file), reached by a dotted name from DCP's metadata module."""
+
+
+def crafted_metadata(marker: Path) -> bytes:
+    """A protocol-4 ``.metadata`` that asks DCP's metadata module for ``CRAFTED_CLASS`` and calls it on ``marker``."""
+    def text(value: str) -> bytes:
+        return pickle.BINUNICODE + struct.pack("<I", len(value.encode())) + value.encode()
+
+    return (pickle.PROTO + b"\x04" + text("torch.distributed.checkpoint.metadata") + text(CRAFTED_CLASS)
+            + pickle.STACK_GLOBAL + pickle.MARK + text(str(marker)) + pickle.TUPLE + pickle.REDUCE + pickle.STOP)
+
+
+def checkpoints_scenario(out: Path, rank: int) -> dict:
+    """Every rank's error: resuming a checkpoint whose metadata was crafted to run code (``crafted``), and the first
+    save to a folder that is each rank's own, as a node-local path on several machines is (``local``)."""
+    errors = {}
+    model = shard(make_model(), allocation="equal")
+    model.allocate(loader_for(sequences()), global_batch=16)
+    optimizer = make_optimizer(model, "adamw")
+    saved = model.checkpointer(out / "crafted", optimizer, every=1).save()
+    if rank == 0:
+        (saved / ".metadata").write_bytes(crafted_metadata(out / "crafted-ran"))
+    dist.barrier()
+    for name, folder, act in (("crafted", out / "crafted", "resume"), ("local", out / f"local-{rank}", "save")):
+        try:
+            getattr(model.checkpointer(folder, optimizer, every=1), act)()
+            errors[name] = ""
+        except hetdp.HetDPError as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+    model.close()
+    return {"errors": _every_rank(errors)}
 
 
 def global_batches(epochs: int, size: int = SIZE, global_batch: int = 16):
