@@ -61,7 +61,7 @@ def reference(kind: str, blocks: list[list[int]], chain_of: int) -> tuple[nn.Mod
                 kept = {name: b.clone() for name, b in model.named_buffers()}
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
-                (loss_of(model(x[index]), y[index]) * samples / total).backward()
+                (loss_of(kind, model(x[index]), y[index]) * samples / total).backward()
                 if rank == chain_of:
                     buffers = {name: b.clone() for name, b in model.named_buffers()}
                 for name, b in model.named_buffers():

@@ -77,9 +77,13 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, torch.randn(SIZE, 2, generator=generator))
 
 
-def loss_of(output, y: torch.Tensor) -> torch.Tensor:
-    if isinstance(output, tuple):
-        logits, aux = output  # the loop's unpacking: a stand-in in eval mode would give logits alone
+def loss_of(kind: str, output, y: torch.Tensor) -> torch.Tensor:
+    """The training loop's loss: ``AuxNet``'s training output unpacked, as a GoogLeNet loop does (a stand-in in eval
+    mode would give logits alone: ``ValueError``), the MoE's one tensor."""
+    if kind == "aux":
+        if not isinstance(output, tuple):  # a tensor of two rows would unpack too
+            raise ValueError(f"not enough values to unpack: a {type(output).__name__}, not (logits, aux)")
+        logits, aux = output
         return nn.functional.mse_loss(logits, y) + 0.3 * nn.functional.mse_loss(aux, y)
     return nn.functional.mse_loss(output, y)
 
@@ -90,7 +94,7 @@ def every_rank(value: int) -> list[int]:
     return values
 
 
-def train(model: nn.Module, *, sit_out: bool = False) -> list[list[int]]:
+def train(kind: str, model: nn.Module, *, sit_out: bool = False) -> list[list[int]]:
     data = dataset()
     loader = model.allocate(DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, seed=SEED)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -101,7 +105,7 @@ def train(model: nn.Module, *, sit_out: bool = False) -> list[list[int]]:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
-            loss_of(model(x), y).backward()
+            loss_of(kind, model(x), y).backward()
             optimizer.step()
             blocks.append(every_rank(model.step_samples))
     return blocks
@@ -125,10 +129,8 @@ def run(scenario: str) -> dict:
         # The MoE is one unit: FSDP2 gathers a unit in its forward, so an expert some ranks skip must not be one.
         # A rank with no share: stand-ins every step.
         model = hetdp.fully_shard(module, allocation=hetdp.Static((0.0, 1.0, 2.0, 5.0)))
-    blocks = train(model, sit_out=drop_in == "sitout")
-    record = {"blocks": blocks, "state": state(model), "buffers_equal": None}
-    if drop_in == "sitout":
-        record["members"] = every_rank(int(model.step_samples or 0))
+    blocks = train(kind, model, sit_out=drop_in == "sitout")
+    record = {"blocks": blocks, "state": state(model)}
     model.close()
     return record
 
