@@ -30,3 +30,15 @@ def test_the_running_torch_has_what_the_floor_stands_for():
     import inspect
 
     assert "group_src" in inspect.signature(dist.broadcast_object_list).parameters
+
+
+def test_the_sharded_path_refuses_a_torch_without_the_fsdp2_methods_it_calls(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from hetdp.errors import ConfigError
+    from hetdp.floor import SHARDED_FLOOR, check_sharded
+
+    check_sharded()  # the running torch has them all
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(ConfigError, match=rf"needs torch >= {SHARDED_FLOOR} \(FSDP2's set_reduce_scatter_unused_params\)"):
+        check_sharded("2.6.0")

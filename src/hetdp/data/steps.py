@@ -72,9 +72,9 @@ class StepSampler:
     sampler in a variable reshuffles as under torch. Without one (a plain shuffled
     loader), each epoch takes the next order, as torch's ``RandomSampler`` draws a
     new one every pass, unless ``set_epoch`` chose it. A rank whose block
-    is empty gets one stand-in index, the step's first sample, so that its loop
-    still has a batch to run: ``hetdp.DDP`` weighs that step 0 on it and runs its
-    forward in eval mode (no BatchNorm statistics from it).
+    is empty gets stand-in indices (``stand_in`` of them, from the step's first
+    sample), so that its loop still has a batch to run: the drop-in weighs that
+    step 0 on it and puts back the buffers its forward changed.
 
     Every index list it makes is recorded as a ``StepTicket``, which the loader
     pairs with the batch when the DataLoader delivers it (workers prefetch ahead).
@@ -115,6 +115,9 @@ class StepSampler:
         self.next_step = 0
         """The global index of the next step to produce."""
         self.tickets: collections.deque[StepTicket] = collections.deque()
+        self.stand_in = 1
+        """Samples of a stand-in batch, and the fewest a short step gives a rank that takes part: 2 where the
+        model's BatchNorm trains (``hetdp.membership.standin.stand_in_samples``), else 1."""
 
     def resume_at(self, epoch: int, start: int) -> None:
         """Make the next pass over ``epoch`` start at its step ``start`` (a run resumed from a checkpoint)."""
@@ -170,13 +173,14 @@ class StepSampler:
             if self.cost is not None:
                 yield self._cost_step(order[first : first + count], shares, index)
                 continue
-            block = tuple(split_step(shares, count))
+            block = tuple(split_step(shares, count, self.stand_in))
             ticket = StepTicket(step=self.next_step, epoch=self.epoch, index=index, block=block, rank=self.rank,
                                 last=index == self.steps_per_epoch - 1)
             self.tickets.append(ticket)
             self.next_step += 1
             offset = first + sum(block[: self.rank])
-            yield order[offset : offset + block[self.rank]] if block[self.rank] else [order[first]]
+            yield (order[offset : offset + block[self.rank]] if block[self.rank]
+                   else [order[(first + i) % len(order)] for i in range(self.stand_in)])
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start

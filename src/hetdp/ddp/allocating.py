@@ -24,6 +24,7 @@ from hetdp.data.owndata import OwnData, own_batch_sizes
 from hetdp.errors import ConfigError
 from hetdp.figures.gather import Planner
 from hetdp.membership.schedule import SitOut
+from hetdp.membership.standin import stand_in_samples
 from hetdp.runtime import peer_failures
 
 
@@ -104,14 +105,17 @@ class Allocating:
             bounds = None if accumulates else caps
             if bounds is not None:
                 check_fits(bounds, global_batch, balance)
+            least = stand_in_samples(self.module)  # a BatchNorm that trains cannot take one sample
             self._planner.start(Allocator(
-                self.allocation, self.world_size, global_batch, minimum=1 if global_batch >= self.world_size else 0,
+                self.allocation, self.world_size, global_batch,
+                minimum=least if global_batch >= least * self.world_size else 0,
                 dataset_size=len(loader.dataset) if hasattr(loader.dataset, "__len__") else None,
                 caps=bounds, chunks=None if balance else caps, membership=self._sitting is not None))
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")
         allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed, cost=balance)
+        allocated.sampler.stand_in = stand_in_samples(self.module)
         self._planner.loader = weakref.ref(allocated)
         return allocated
 

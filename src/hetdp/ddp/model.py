@@ -34,7 +34,7 @@ from hetdp.ddp.step import StepRunner, rebuild_buckets, warn_unstepped
 from hetdp.errors import ConfigError
 from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
-from hetdp.membership.standin import evaluating
+from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
 from hetdp.sync.policy import SyncPolicy, sync_policy
 
@@ -53,7 +53,8 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
     The loop stays the user's: ``model.allocate(loader)`` returns their DataLoader re-cut so that each batch is this
     rank's share of the step, and the comm hook weighs each rank's gradient (the mean loss over its own batch) by
     its share of the step. A rank with no sample in a step (the epoch's last step, with fewer samples than ranks)
-    gets a one-sample stand-in batch, run in eval mode and weighted 0. Under ``hetdp run --speeds / --stragglers /
+    gets a stand-in batch (one sample, two where a BatchNorm trains), run as a training step that weighs nothing: in
+    the module's own mode, weighted 0, its buffers and random states put back after its forward. Under ``hetdp run --speeds / --stragglers /
     --speed-change`` every step is paced to its emulated device by itself.
 
     Warning:
@@ -175,7 +176,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
         broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
                      if self.will_sync_module_buffers() else contextlib.nullcontext())
-        with broadcast, evaluating(self.module) if self._steps.stand_in() else contextlib.nullcontext():
+        with broadcast, weighing_nothing(self.module) if self._steps.stand_in() else contextlib.nullcontext():
             return super().forward(*inputs, **kwargs)
 
     def _close_step(self) -> EndedStep | None:

@@ -94,7 +94,8 @@ class StepRunner:
         return EndedStep(step.ticket, clock.finish() if step.started else StepTimes(None, []))
 
     def stand_in(self) -> bool:
-        """Whether the open step runs a stand-in batch (no sample of this rank): its forward runs in eval mode."""
+        """Whether the open step runs a stand-in batch (no sample of this rank) in training: its forward changes
+        nothing that persists (``weighing_nothing``), and the comm hook weighs its gradient 0."""
         return self.open is not None and self.open.ticket.samples == 0 and self.module.training
 
     def close(self) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,8 +32,10 @@ from hetdp.errors import ConfigError
 from hetdp.figures.clock import EndedStep, StepTimes
 from hetdp.figures.metrics import MetricsConfig
 from hetdp.figures.shardclock import ShardedClock
+from hetdp.floor import check_sharded
 from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedReduceScatter, Weighing
 from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
+from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
@@ -95,8 +97,13 @@ class _OpenStep:
     ticket: StepTicket
     started: bool = False
     """Whether a forward with gradients ran in it (its clock started)."""
-    modes: list[tuple[nn.Module, bool]] | None = None
-    """A stand-in step's modules' own modes, to restore at its end (it runs in eval mode)."""
+    kept: dict[int, Callable[[], None]] = field(default_factory=dict)
+    """A stand-in step's forwards under way, by top unit: what puts back the buffers and random states it changes
+    (``kept_state``)."""
+
+    @property
+    def stand_in(self) -> bool:
+        return self.ticket.samples == 0
 
 
 class _Steps:
@@ -113,12 +120,15 @@ class ShardedDropIn(StepCoordinator):
 
     Warning:
         Every rank must run every step, in the same order: FSDP2 gathers and reduce-scatters every unit in every
-        forward and backward. A rank with no sample in a step runs a one-sample stand-in in eval mode, weighted 0.
+        forward and backward. A rank with no sample in a step runs a stand-in batch (one sample, two where a
+        BatchNorm trains) as a training step that weighs nothing: in the module's own mode (the same output structure
+        and parameters as the others' steps), weighted 0, its buffers and random states put back after its forward.
     """
 
     def __init__(self, root: nn.Module, units: Sequence[nn.Module], settings: DropInSettings) -> None:
         if not dist.is_initialized():
             raise ConfigError("hetdp.fully_shard needs torch.distributed: call init_process_group first")
+        check_sharded()
         if not units:
             raise ConfigError(f"{type(root).__name__} holds no module sharded with fully_shard")
         self.allocation = allocation_policy(settings.allocation)
@@ -171,6 +181,9 @@ class ShardedDropIn(StepCoordinator):
             # refuses; forcing the sum makes it a SUM and a divide by 1, which FSDP2 skips).
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
+            # Ranks may use different parameters in a step (experts without tokens, a branch only some data takes):
+            # every parameter of the unit reduce-scatters, zero where unused, so the ranks' buffers match in size.
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
 
     # --- a step's side of FSDP2 ------------------------------------------------------------------------------
 
@@ -178,11 +191,7 @@ class ShardedDropIn(StepCoordinator):
         weights = ticket.weights
         self.weighing.step = (ticket.samples / total if weights is None
                               else weights[self.rank] / sum(weights))  # cost-balanced: its part of the step's cost
-        step = _OpenStep(ticket)
-        if ticket.samples == 0 and self.module.training:
-            step.modes = [(module, module.training) for module in self.module.modules()]
-            self.module.eval()
-        self._steps.open = step
+        self._steps.open = _OpenStep(ticket)
 
     def _forward_starts(self, unit: nn.Module, args: Any) -> None:
         """A top unit's forward begins (before FSDP2 gathers it): the step's first starts its clock."""
@@ -196,6 +205,8 @@ class ShardedDropIn(StepCoordinator):
                               "iterate the loader that model.allocate(loader) returns (was its result dropped?)",
                               stacklevel=3)
             return
+        if step.stand_in and unit.training:  # a training step that weighs nothing: it changes nothing that persists
+            step.kept[id(unit)] = kept_state(unit)
         if not step.started:
             step.started = True
             self.clock.start(step.ticket.step, step.ticket.work)
@@ -203,7 +214,11 @@ class ShardedDropIn(StepCoordinator):
             self.clock.forwards += 1
 
     def _forward_ended(self, unit: nn.Module, args: Any, output: Any) -> None:
-        """Watch the output's backward: its end closes the backward's compute and wait."""
+        """Put back what a stand-in's forward changed; watch the output's backward: its end closes the backward's
+        compute and wait."""
+        step = self._steps.open
+        if step is not None and (restore := step.kept.pop(id(unit), None)) is not None:
+            restore()
         if torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -237,8 +252,6 @@ class ShardedDropIn(StepCoordinator):
         if step is None:
             return None
         self.weighing.step = self.weighing.outside
-        for module, training in step.modes or ():
-            module.training = training
         return EndedStep(step.ticket, self.clock.finish() if step.started else StepTimes(None, []))
 
     # --- memory --------------------------------------------------------------------------------------------------

@@ -1,42 +1,78 @@
-"""The steps of a rank with no sample in them, run for next to nothing: the module without gradients, in eval mode,
+"""The steps of a rank with no sample in them: training steps that weigh nothing. A stand-in runs in the module's own
+mode and changes nothing that persists (buffers, the random streams); a rank that sits out runs it without gradients,
 with a backward that only zeroes the gradients."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 
 
+def stand_in_samples(module: nn.Module) -> int:
+    """The fewest samples a training step of ``module`` can run on: 2 where a batch-norm layer trains (its batch
+    statistics need more than one value per channel), else 1. A stand-in batch has that many, and so does every
+    nonzero share."""
+    return 2 if any(isinstance(m, _BatchNorm) and m.training for m in module.modules()) else 1
+
+
+def kept_state(module: nn.Module) -> Callable[[], None]:
+    """Let a stand-in forward of ``module`` change nothing that persists, and return what ends it: every buffer
+    (BatchNorm's running statistics and ``num_batches_tracked``) is swapped for a copy the forward may change, and
+    torch's CPU and CUDA random states are put back, so that its dropout draws nothing from the rank's stream.
+
+    Copies, not a write-back: a training forward's backward may read the buffers it was given (BatchNorm's does),
+    and a write-back would change them under it."""
+    owned = [(m, name, buffer) for m in module.modules() for name, buffer in m._buffers.items() if buffer is not None]
+    copies: dict[int, torch.Tensor] = {}
+    for m, name, buffer in owned:
+        m._buffers[name] = copies.setdefault(id(buffer), buffer.detach().clone())
+    cpu = torch.get_rng_state()
+    devices = sorted({t.device.index or 0 for t in itertools.chain(module.parameters(), module.buffers())
+                      if t.device.type == "cuda"})
+    cuda = [torch.cuda.get_rng_state(device) for device in devices]
+
+    def restore() -> None:
+        for m, name, buffer in owned:
+            m._buffers[name] = buffer
+        torch.set_rng_state(cpu)
+        for device, state in zip(devices, cuda):
+            torch.cuda.set_rng_state(state, device)
+
+    return restore
+
+
 @contextlib.contextmanager
-def evaluating(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` in eval mode, then restore every submodule's own mode."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+def weighing_nothing(module: nn.Module) -> Iterator[None]:
+    """Run a stand-in forward of ``module`` in its own mode, then put back what it changed that persists
+    (``kept_state``), noted as the module's own forward starts: after what a wrapper runs before it, such as torch
+    DDP's broadcast of rank 0's buffers, whose values the rank keeps."""
+    restores: list[Callable[[], None]] = []
+    handle = module.register_forward_pre_hook(lambda m, args: restores.append(kept_state(m)), prepend=True)
     try:
         yield
     finally:
-        for m, training in modes:
-            m.training = training
-
+        handle.remove()
+        for restore in reversed(restores):
+            restore()
 
 
 class StandIn:
     """The steps a rank sits out, run for next to nothing: what the loop asks of them, and no more.
 
-    The stand-in's forward runs the module without gradients, in eval mode (no
-    BatchNorm statistics from it) and outside torch DDP (no reducer, no buffer
-    broadcast): nothing of the step leaves the rank. Its floating-point outputs are
-    tied to one zero-valued anchor, so that the loop's loss still has a backward;
-    that backward computes nothing but the anchor's gradient, and gives every
-    parameter of the models a zero gradient, as a stand-in weighted 0 had (a
-    ``GradScaler`` and the loop's clipping find gradients; ``Optimizers`` still
-    skips the step).
+    The stand-in's forward runs the module in its own mode (so that its output has the structure a training step's
+    has), without gradients, with its buffers and random states put back (``weighing_nothing``) and outside torch
+    DDP (no reducer, no buffer broadcast): nothing of the step leaves the rank. Its floating-point outputs are tied
+    to one zero-valued anchor, so that the loop's loss still has a backward; that backward computes nothing but the
+    anchor's gradient, and gives every parameter of the models a zero gradient, as a stand-in weighted 0 had (a
+    ``GradScaler`` and the loop's clipping find gradients; ``Optimizers`` still skips the step).
     """
 
     def __init__(self) -> None:
@@ -54,7 +90,7 @@ class StandIn:
         if model.device_ids:  # torch DDP would have moved the inputs to the module's device
             device = torch.device(model.device_type, model.device_ids[0])
             inputs, kwargs = tree_map(lambda value: _moved(value, device), (inputs, kwargs))
-        with torch.no_grad(), evaluating(model.module):
+        with torch.no_grad(), weighing_nothing(model.module):
             output = model.module(*inputs, **kwargs)
         return tree_map(self._tied, output)
 
