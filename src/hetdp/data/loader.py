@@ -215,13 +215,13 @@ class AllocatedLoader:
 
     def _start_pass(self) -> None:
         """Settle a pass over the loader before its first step is cut: its epoch, and the step it starts at."""
-        self.model.pass_starts()  # the last pass's steps fetched ahead and not closed yet close first
         self.sampler.tickets.clear()  # a loop that broke off early left tickets of steps never run
         self.sampler.next_step = self.model.steps_done
         self.sampler.begin_pass(self.model.epochs_done)
         self._warn_if_order_repeats()
 
     def __iter__(self) -> Iterator[Any]:
+        self.model.pass_starts()  # the last pass's steps fetched ahead and not closed yet close first
         self._start_pass()
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
         batches = iter(self._loader)  # draws the workers' base seed from the global generator

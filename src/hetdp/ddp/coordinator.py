@@ -92,6 +92,8 @@ class StepCoordinator(Allocating, CheckpointState):
         fetches ahead)."""
         self._exhausted = False
         """Whether the allocated loader yielded its epoch's last batch while steps of it had not closed yet."""
+        self._left_open = False
+        """Whether the open step is one a loop that broke off left: the next batch yielded opens its own."""
         self._optimizer_hook = register_optimizer_step_post_hook(
             functools.partial(_optimizer_stepped, weakref.ref(self)))
         weakref.finalize(self, self._optimizer_hook.remove)
@@ -152,7 +154,8 @@ class StepCoordinator(Allocating, CheckpointState):
     def batch_yielded(self, ticket: StepTicket) -> None:
         """The allocated loader yields the batch of ``ticket``. Its step opens now where no step waits (a loop that
         trains each batch as it comes), else once the steps before it closed (a loop that fetches ahead)."""
-        if self._steps.open is None and not self._ahead:
+        if self._left_open or (self._steps.open is None and not self._ahead):
+            self._left_open = False
             self.begin_ticket(ticket)
         else:
             self._ahead.append(ticket)
@@ -174,11 +177,12 @@ class StepCoordinator(Allocating, CheckpointState):
 
     def pass_starts(self) -> None:
         """A new pass over the allocated loader starts: an epoch whose last steps are still open ends first (their
-        batches' work is done, or never came: a loop that fetched ahead of its last batches and left them), and
-        tickets a loop that broke off left behind are dropped."""
+        batches' work is done, or never came: a loop that fetched ahead of its last batches and left them); the
+        steps of a pass the loop broke off are dropped, as they were."""
         while self._exhausted:
             self._close_bound()
         self._ahead.clear()
+        self._left_open = self._steps.open is not None  # the pass's first step replaces it, its figures dropped
 
     def _close_bound(self) -> None:
         """Close the open step, then open the next one whose batch was yielded, or end the epoch after its last."""
