@@ -128,6 +128,10 @@ class StepDriver(Protocol):
     def begin_ticket(self, ticket: StepTicket, total: int | None = None) -> None: ...
     def end_step(self) -> None: ...
     def end_epoch(self) -> Any: ...
+    def batch_yielded(self, ticket: StepTicket) -> None: ...
+    def loader_resumed(self) -> None: ...
+    def loader_exhausted(self) -> None: ...
+    def pass_starts(self) -> None: ...
     def _rank0s(self, value: Any, what: str) -> Any: ...
     def _first_warning(self, key: str) -> bool: ...
 
@@ -137,9 +141,14 @@ class AllocatedLoader:
 
     Iterating yields one batch per step, the same number on every rank
     (``len(loader)``), so per-step schedulers and step counts work unchanged.
-    Between two batches it tells the model that one step ended and the next
-    began; after the last, that the epoch ended (a re-plan, a merge, the epoch's
-    figures). Attributes it does not define come from the original loader.
+    Each step's shares are bound to its batch: a step opens as its batch is
+    yielded, or, where the loop fetches ahead (timm's ``PrefetchLoader``, a CUDA
+    prefetcher, a generator one batch ahead), once the steps of the batches
+    before it closed; a step closes as the loop asks for a batch after its own
+    trained (a forward with gradients ran), or, once the loader yielded its last
+    batch, at the ``optimizer.step()`` after it; the epoch ends (a re-plan, a
+    merge, the epoch's figures) after its last step closed, at the latest when the
+    next pass starts. Attributes it does not define come from the original loader.
 
     Its epochs follow the loader's own ``DistributedSampler``: ``set_epoch`` on
     that sampler, on ``loader.sampler`` or on ``loader.batch_sampler.sampler``
@@ -212,6 +221,7 @@ class AllocatedLoader:
         self._warn_if_order_repeats()
 
     def __iter__(self) -> Iterator[Any]:
+        self.model.pass_starts()  # the last pass's steps fetched ahead and not closed yet close first
         self._start_pass()
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
         batches = iter(self._loader)  # draws the workers' base seed from the global generator
@@ -219,11 +229,11 @@ class AllocatedLoader:
             set_random_state(self.model.resume_random_state)
             self.model.resume_random_state = None
         for batch in batches:
-            self.model.begin_ticket(self.sampler.tickets.popleft())
+            self.model.batch_yielded(self.sampler.tickets.popleft())
             yield batch
-            self.model.end_step()
+            self.model.loader_resumed()
         self.sampler.start = 0
-        self.model.end_epoch()
+        self.model.loader_exhausted()
 
     def _warn_if_order_repeats(self) -> None:
         """Warn (once, from rank 0) when a shuffled epoch repeats the last one's order: the user's

@@ -8,6 +8,8 @@ reduce-scatters) each inherit ``StepCoordinator`` and open and close their excha
 
 from __future__ import annotations
 
+import collections
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
@@ -15,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hetdp.allocate.policy import AllocationPolicy
 from hetdp.checkpoint.checkpointer import CheckpointState
@@ -33,6 +36,8 @@ from hetdp.sync.base import Synchronizer
 
 class _Ticketed(Protocol):
     ticket: StepTicket
+    started: bool
+    """Whether a forward with gradients ran in the step (its batch trained)."""
 
 
 class _Steps(Protocol):
@@ -82,6 +87,16 @@ class StepCoordinator(Allocating, CheckpointState):
         self._warned: set[str] = set()
         self._heartbeat = Heartbeat(group, progress).start()
         weakref.finalize(self, self._heartbeat.stop)
+        self._ahead: collections.deque[StepTicket] = collections.deque()
+        """Tickets of batches the allocated loader yielded whose steps wait for the open one to close (a loop that
+        fetches ahead)."""
+        self._exhausted = False
+        """Whether the allocated loader yielded its epoch's last batch while steps of it had not closed yet."""
+        self._left_open = False
+        """Whether the open step is one a loop that broke off left: the next batch yielded opens its own."""
+        self._optimizer_hook = register_optimizer_step_post_hook(
+            functools.partial(_optimizer_stepped, weakref.ref(self)))
+        weakref.finalize(self, self._optimizer_hook.remove)
 
     @property
     def steps_done(self) -> int:
@@ -133,6 +148,50 @@ class StepCoordinator(Allocating, CheckpointState):
         wanted = any(listener.meets_after(self.steps_done + 1) for listener in self._listeners)
         self._open_step(ticket, total, meets=self._planner.meets_after(ticket, wanted))
         StepCoordinator.steps_in_process += 1
+
+    # --- steps bound to their batches: the allocated loader's side of the lifecycle -------------------------------
+
+    def batch_yielded(self, ticket: StepTicket) -> None:
+        """The allocated loader yields the batch of ``ticket``. Its step opens now where no step waits (a loop that
+        trains each batch as it comes), else once the steps before it closed (a loop that fetches ahead)."""
+        if self._left_open or (self._steps.open is None and not self._ahead):
+            self._left_open = False
+            self.begin_ticket(ticket)
+        else:
+            self._ahead.append(ticket)
+
+    def loader_resumed(self) -> None:
+        """The loop asks the allocated loader for its next batch: the open step closes if its batch trained (a
+        forward with gradients ran in it); one whose batch has not trained stays open (the loop fetched ahead)."""
+        open_step = self._steps.open
+        if open_step is not None and open_step.started:
+            self._close_bound()
+
+    def loader_exhausted(self) -> None:
+        """The allocated loader yielded its epoch's last batch: the epoch ends now if every step of it closed, else
+        when its last closes (``_close_bound``)."""
+        if self._steps.open is None and not self._ahead:
+            self.end_epoch()
+        else:
+            self._exhausted = True
+
+    def pass_starts(self) -> None:
+        """A new pass over the allocated loader starts: an epoch whose last steps are still open ends first (their
+        batches' work is done, or never came: a loop that fetched ahead of its last batches and left them); the
+        steps of a pass the loop broke off are dropped, as they were."""
+        while self._exhausted:
+            self._close_bound()
+        self._ahead.clear()
+        self._left_open = self._steps.open is not None  # the pass's first step replaces it, its figures dropped
+
+    def _close_bound(self) -> None:
+        """Close the open step, then open the next one whose batch was yielded, or end the epoch after its last."""
+        self.end_step()
+        if self._ahead:
+            self.begin_ticket(self._ahead.popleft())
+        elif self._exhausted:
+            self._exhausted = False
+            self.end_epoch()
 
     def _open_step(self, ticket: StepTicket, total: int, meets: bool) -> None:
         """Open the exchange's side of the step of ``ticket`` (``total`` samples over all ranks; ``meets``: the ranks
@@ -199,3 +258,17 @@ class StepCoordinator(Allocating, CheckpointState):
             self._writer.close()
         if self._figures_group is not group:
             dist.destroy_process_group(self._figures_group)
+
+
+def _optimizer_stepped(ref: weakref.ref[StepCoordinator], optimizer: torch.optim.Optimizer, args: Any,
+                       kwargs: Any) -> None:
+    """torch's hook after any ``optimizer.step()``: once the allocated loader yielded its epoch's last batch before
+    the loop trained the batches it fetched ahead, no next batch is asked for, and the open step closes here once
+    a forward ran in it (weakly held: the hook is global). Earlier steps close as the loop asks for the next batch,
+    after the whole loop body (a scheduler's step, a checkpoint's state)."""
+    model = ref()
+    if model is None or not model._exhausted:
+        return
+    open_step = model._steps.open
+    if open_step is not None and open_step.started:
+        model._close_bound()

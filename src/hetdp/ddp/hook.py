@@ -23,7 +23,7 @@ from hetdp.errors import ConfigError
 from hetdp.figures.clock import StepClock
 from hetdp.runtime import Timeouts
 from hetdp.sync.averaging import ParameterAveraging
-from hetdp.sync.base import Synchronizer
+from hetdp.sync.base import LossConvention, Synchronizer, check_loss
 from hetdp.sync.gradient_sum import GradientSum
 from hetdp.sync.partial import PartialGradients
 from hetdp.sync.policy import Allreduce, LocalAveraging, Partial, SyncPolicy
@@ -85,6 +85,18 @@ def waits_for_rounds(spec: SyncPolicy) -> bool:
     """Whether the synchronization is a partial allreduce whose rounds wait for other ranks (all but solo and
     quorum:1, where a rank's own arrival fires its round)."""
     return isinstance(spec, Partial) and spec.mode != "solo" and not (spec.mode == "quorum" and spec.quorum == 1)
+
+
+def loss_convention(loss: object, spec: SyncPolicy) -> LossConvention:
+    """The loss convention ``loss`` names, if the synchronization ``spec`` combines it exactly (ConfigError if not):
+    a sum or a global mean only under allreduce, where every step combines every rank's gradient; partial rounds and
+    local averaging weigh what they hold by samples, which only a per-rank mean makes the step's mean."""
+    convention = check_loss(loss)
+    if convention != "mean" and not isinstance(spec, Allreduce):
+        raise ConfigError(f"loss={convention!r} needs sync='allreduce', got {spec.describe()!r}: partial rounds and "
+                          "local averaging weigh each rank's gradient by its samples, which is exact for "
+                          "loss='mean' (each rank's loss the mean over its own batch) only")
+    return convention
 
 
 def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, timeout_s: float,

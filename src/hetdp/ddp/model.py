@@ -28,7 +28,7 @@ from hetdp.collectives.paths import agree_in_group
 from hetdp.data.steps import StepTicket
 from hetdp.ddp.coordinator import StepCoordinator
 from hetdp.ddp.follow import Followers, check_follows, check_place
-from hetdp.ddp.hook import HookState, buffer_options, comm_hook, progress, synchronizer
+from hetdp.ddp.hook import HookState, buffer_options, comm_hook, loss_convention, progress, synchronizer
 from hetdp.ddp.seams import SeamParts, seam
 from hetdp.ddp.step import StepRunner, rebuild_buckets, warn_unstepped
 from hetdp.errors import ConfigError
@@ -36,6 +36,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
+from hetdp.sync.base import LossConvention
 from hetdp.sync.policy import SyncPolicy, sync_policy
 
 
@@ -87,6 +88,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         emulation: Emulation | None = None,
         process_group: dist.ProcessGroup | None = None,
         follow: DistributedDataParallel | None = None,
+        loss: LossConvention = "mean",
         **ddp_options: Any,
     ) -> None:
         """Wrap ``module`` (already on its device); collective over ``process_group``.
@@ -105,6 +107,11 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
                 GAN's generator beside its discriminator, one tower of several): its gradient is weighed by that
                 model's shares, exactly the mean over the step's samples, and that model's loader, timing and
                 emulation cover the step. It takes no ``allocation`` or ``emulation`` of its own, nor a loader.
+            loss: what each rank's loss is, so that the step's gradient is plain DDP's on the same global batch
+                whatever the shares: ``"mean"`` (the default: the mean over the rank's own batch, weighed by its
+                samples), ``"sum"`` (``reduction="sum"``) or ``"global_mean"`` (the sum over the rank's tokens over
+                the step's token count, which the loop all-reduces, counting 0 tokens where ``model.step_samples``
+                is 0); those two are weighed 1 / ranks, as plain DDP averages them (allreduce only).
             ddp_options: passed to ``torch.nn.parallel.DistributedDataParallel`` (``device_ids``, ...).
 
         Raises:
@@ -115,6 +122,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         if not step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0 seconds, got {step_timeout_s!r}")
         policy, sync_spec = allocation_policy(allocation), sync_policy(sync)
+        convention = loss_convention(loss, sync_spec)
         if follow is not None:
             check_follows(follow, DistributedDataParallel, own_settings=allocation is not None or emulation is not None,
                           sync=sync_spec)
@@ -136,7 +144,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         """The collective paths every rank's device allows, agreed at construction (a group may mix devices)."""
         self.synchronizer = synchronizer(sync_spec, module, group, step_timeout_s, self.paths)
         self._hook = HookState(self.clock, self.synchronizer, self.world_size)
-        self._steps = StepRunner(self._hook, module)
+        self._steps = StepRunner(self._hook, module, convention)
         self._seam = seam(self, SeamParts(self._hook, self._steps, self.synchronizer, group, self.world_size), module,
                           step_timeout_s, follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None

@@ -18,6 +18,7 @@ from hetdp.ddp.accumulation import StepAccumulation
 from hetdp.ddp.hook import HookState
 from hetdp.figures.clock import EndedStep, StepTimes
 from hetdp.runtime import peer_failures
+from hetdp.sync.base import LossConvention, step_part
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ class StepRunner:
     """Opens and closes this rank's steps: sets the comm hook's weight, times the step on the hook's clock, and
     weighs gradients accumulated under ``no_sync`` step by step (``StepAccumulation``)."""
 
-    def __init__(self, hook: HookState, module: nn.Module) -> None:
+    def __init__(self, hook: HookState, module: nn.Module, loss: LossConvention = "mean") -> None:
         self.hook = hook
         self.module = module
+        self.loss = loss
+        """What each rank's loss is (``hetdp.sync.base.LossConvention``): it says what the gradient weighs."""
         self.open: OpenStep | None = None
         self.accumulation: StepAccumulation | None = None
         """Set up by the first forward under ``no_sync``: gradients the loop accumulates, perhaps over steps."""
@@ -50,8 +53,9 @@ class StepRunner:
         if self.open is not None:
             log.debug("rank %d: step %d was left open (the loop broke off); its figures are dropped", ticket.rank,
                       self.open.ticket.step)
-        weight = ((ticket.samples, total) if ticket.weights is None  # cost-balanced: its part of the step's cost
-                  else (ticket.weights[ticket.rank], sum(ticket.weights)))
+        mine, whole = ((ticket.samples, total) if ticket.weights is None  # cost-balanced: its part of the step's cost
+                       else (ticket.weights[ticket.rank], sum(ticket.weights)))
+        weight = step_part(self.loss, mine, whole, self.hook.world_size)
         self.open = OpenStep(ticket, total, weight)
         self.hook.samples, self.hook.total = weight
         self.hook.meets = meets

@@ -37,7 +37,7 @@ from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedRe
 from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
-from hetdp.sync.base import Synchronizer
+from hetdp.sync.base import LossConvention, Synchronizer, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
 
 
@@ -56,8 +56,12 @@ class DropInSettings:
     """Where rank 0 writes per-step and per-epoch figures, if anywhere."""
     emulation: Emulation | None = None
     """How this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any)."""
+    loss: LossConvention = "mean"
+    """What each rank's loss is: the mean over its batch (weighed by its samples), a sum or a global token mean
+    (weighed 1 / ranks, as FSDP2 averages them); ``hetdp.sync.base.LossConvention``."""
 
     def __post_init__(self) -> None:
+        check_loss(self.loss)
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s must be > 0 seconds, got {self.step_timeout_s!r}")
 
@@ -133,6 +137,7 @@ class ShardedDropIn(StepCoordinator):
             raise ConfigError(f"{type(root).__name__} holds no module sharded with fully_shard")
         self.allocation = allocation_policy(settings.allocation)
         self.sync = sync_policy(settings.sync)
+        self.loss = settings.loss
         check_sync(self.sync)
         world_size = dist.get_world_size()
         for unit in units:
@@ -189,8 +194,10 @@ class ShardedDropIn(StepCoordinator):
 
     def _open_step(self, ticket: StepTicket, total: int, meets: bool) -> None:
         weights = ticket.weights
-        self.weighing.step = (ticket.samples / total if weights is None
-                              else weights[self.rank] / sum(weights))  # cost-balanced: its part of the step's cost
+        mine, whole = ((ticket.samples, total) if weights is None
+                       else (weights[self.rank], sum(weights)))  # cost-balanced: its part of the step's cost
+        part, of = step_part(self.loss, mine, whole, self.world_size)
+        self.weighing.step = part / of
         self._steps.open = _OpenStep(ticket)
 
     def _forward_starts(self, unit: nn.Module, args: Any) -> None:

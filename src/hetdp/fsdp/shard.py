@@ -27,6 +27,7 @@ from hetdp.data.loader import AllocatedLoader
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
+from hetdp.sync.base import LossConvention
 from hetdp.sync.policy import SyncPolicy
 
 _KEPT_OPTIONS = ("mesh", "reshard_after_forward", "mp_policy")
@@ -164,19 +165,20 @@ def _mix(unit: nn.Module) -> None:
 @overload
 def fully_shard(module: nn.Module, *, allocation: str | AllocationPolicy | None = ..., sync: str | SyncPolicy | None = ...,
                 step_timeout_s: float = ..., metrics: MetricsConfig | None = ..., emulation: Emulation | None = ...,
-                **fsdp_options: Any) -> nn.Module: ...
+                loss: LossConvention = ..., **fsdp_options: Any) -> nn.Module: ...
 
 
 @overload
 def fully_shard(module: list[nn.Module], *, allocation: str | AllocationPolicy | None = ...,
                 sync: str | SyncPolicy | None = ..., step_timeout_s: float = ..., metrics: MetricsConfig | None = ...,
-                emulation: Emulation | None = ..., **fsdp_options: Any) -> list[nn.Module]: ...
+                emulation: Emulation | None = ..., loss: LossConvention = ...,
+                **fsdp_options: Any) -> list[nn.Module]: ...
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | AllocationPolicy | None = None,
                 sync: str | SyncPolicy | None = None, step_timeout_s: float = 60.0,
                 metrics: MetricsConfig | None = None, emulation: Emulation | None = None,
-                **fsdp_options: Any) -> nn.Module | list[nn.Module]:
+                loss: LossConvention = "mean", **fsdp_options: Any) -> nn.Module | list[nn.Module]:
     """torch's ``fully_shard`` (every keyword of it passes through), whose modules also take the drop-in's surface:
     ``model.allocate(loader)`` on the root makes rank i compute ``shares[i]`` samples of every step, with the
     gradient exactly the mean over the step's samples.
@@ -195,6 +197,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
             slow but healthy rank raises too.
         metrics: where rank 0 writes per-step and per-epoch figures, if anywhere.
         emulation: how this machine pretends its ranks are unequal (None: ``hetdp run``'s settings, if any).
+        loss: what each rank's loss is, as ``hetdp.DDP`` takes it: ``"mean"`` (the default: over the rank's own
+            batch), ``"sum"`` or ``"global_mean"`` (over the step's tokens on all ranks); the gradient is FSDP2's on
+            the same global batch at equal shares, whatever the shares.
         fsdp_options: passed to torch's ``fully_shard`` (``mesh``: a 1-D mesh of every rank, if given;
             ``reshard_after_forward``, ``mp_policy``, ...).
 
@@ -215,7 +220,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
         ...     print(model.last_epoch.diagnosis())
     """
     settings = DropInSettings(allocation=allocation, sync=sync, step_timeout_s=step_timeout_s, metrics=metrics,
-                              emulation=emulation)
+                              emulation=emulation, loss=loss)
     for each in module if isinstance(module, list) else [module]:
         _check_names(each)
     sharded = torch_fully_shard(module, **fsdp_options)

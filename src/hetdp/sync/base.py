@@ -4,10 +4,42 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hetdp.errors import ConfigError
+
+LossConvention = Literal["mean", "sum", "global_mean"]
+"""What each rank's loss is, which says what its gradient must weigh for the step's to be plain DDP's:
+
+- ``"mean"``: the mean over the rank's own samples (``reduction="mean"``, the default). Weighed by its samples over
+  the step's, the ranks' gradients sum to the mean over the step's samples: one process's gradient on the global
+  batch, and plain DDP's at equal shares.
+- ``"sum"``: the sum over the rank's samples (``reduction="sum"``). Plain DDP averages the ranks' gradients, so its
+  step's gradient is the sum over the step's samples over the number of ranks: each rank's is weighed by 1 / ranks.
+- ``"global_mean"``: the sum over the rank's tokens over the step's token count over all ranks (the loop all-reduces
+  it: ``num_items_in_batch``, a global token mean). Plain DDP's gradient is the global mean over the number of ranks:
+  each rank's is weighed by 1 / ranks. A stand-in batch (``model.step_samples`` 0) counts 0 tokens and weighs 0.
+"""
+
+
+def check_loss(loss: object) -> LossConvention:
+    """Return ``loss`` if it names a loss convention, else raise ConfigError."""
+    if loss not in get_args(LossConvention):
+        raise ConfigError(f"loss must be one of {', '.join(map(repr, get_args(LossConvention)))}, got {loss!r}")
+    return loss  # type: ignore[return-value]
+
+
+def step_part(loss: LossConvention, samples: float, total: float, world_size: int) -> tuple[float, float]:
+    """(this rank's part, the step's whole) a rank's gradient is weighed by, for a rank with ``samples`` of the
+    step's ``total`` (its cost, where cost-balanced) under the loss convention ``loss``: its part of the step for a
+    per-rank mean, plain DDP's 1 / ``world_size`` for a sum or a global mean (0 for a stand-in, either way)."""
+    if loss == "mean":
+        return samples, total
+    return (1 if samples else 0), world_size
 
 
 class Synchronizer(ABC):
