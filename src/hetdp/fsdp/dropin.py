@@ -163,7 +163,7 @@ class ShardedDropIn(StepCoordinator):
         self.footprint: Footprint | None = None
         """What this rank holds whatever its batch, as ``allocate`` counted it for the caps (None: not counted)."""
         self.activation_bytes_per_sample: float | None = None
-        """The activations one sample holds, as ``allocate`` probed them (None: not probed)."""
+        """What one sample adds to a step's peak memory, as ``allocate`` probed it (None: not probed)."""
         self._tops = [unit for unit in self.units if not any(other is not unit and _holds(other, unit)
                                                              for other in self.units)]
         self._handles = [handle for unit in self._tops for handle in (
@@ -267,7 +267,7 @@ class ShardedDropIn(StepCoordinator):
                      loader: DataLoader) -> list[int | None] | None:
         """Caps given as numbers stay as given; otherwise (None, ``"measure"``) each rank's comes from its memory once
         its shard is placed (``hetdp.fsdp.memory``): its emulated device's memory fields, or its CUDA device's free
-        memory, over the activations a sample holds, probed where nobody gave them. A probe that cannot run the
+        memory, over what a sample adds to a step's peak, probed where nobody gave it. A probe that cannot run the
         model on the loader's first batch raises under ``"measure"`` and leaves the shares uncapped, with a warning,
         by default."""
         if max_batch is not None and not (isinstance(max_batch, str) and max_batch == "measure"):

@@ -1,10 +1,10 @@
 """What bounds a rank's share under sharding: the memory its device leaves once its shard of the model's state and
-FSDP2's buffers are placed, over the activations one sample holds.
+FSDP2's buffers are placed, over what one sample adds to a step's peak.
 
 Under ``hetdp.DDP`` every rank holds a replica, so a group trains only what its
 smallest device holds; sharded, rank r holds 1/W of the parameters, gradients and
 optimizer state, and its cap is C-ADP eq. 3's P_max with the shard in the fixed part:
-``floor((memory - shard - buffers) / activation bytes per sample)``.
+``floor((memory - shard - buffers) / bytes per sample)``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.cluster.memory import HEADROOM, cuda_free_bytes, output_sum, saved_tensor_bytes, trial_input
+from hetdp.cluster.memory import (
+    HEADROOM,
+    cuda_free_bytes,
+    per_sample_bytes,
+    saved_tensor_bytes,
+    trial_input,
+    trial_loss,
+)
 from hetdp.errors import ConfigError
 
 OPTIMIZER_COPIES = 2
@@ -129,10 +136,17 @@ def budget(rank: int, device: torch.device, emulation: Emulation, held: Footprin
 
 
 def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[], Iterable[torch.Tensor]]) -> float:
-    """Activation bytes one more sample holds in ``module`` (sharded), from a trial forward and backward of two small
-    slices of ``batch`` (its first item, or its keyword arguments, is the model's input), with what autograd saves
-    counted by ``saved_tensor_bytes``. Collective: every rank runs the same trials (FSDP2 gathers and reduces in
-    them); no gradient, buffer or random draw is left behind.
+    """What one more sample adds to the peak memory of a training step of ``module`` (sharded), from trial forwards
+    and backwards on two small slices of ``batch`` (its first item, or its keyword arguments, is the model's
+    input), compared operator by operator (``per_sample_bytes``): the activations, the output and the loss's own
+    tensors (``trial_loss``), the gradients backward makes, and under activation checkpointing what a recomputation
+    holds at its peak. Collective: every rank runs the same trials (FSDP2 gathers and reduces in them); no
+    gradient, buffer or random draw is left behind.
+
+    Args:
+        module: the root of the units, as it trains.
+        batch: the loader's first batch, at least 2 samples.
+        parameters: FSDP2's unsharded parameters while they are (what ``saved_tensor_bytes`` leaves out).
 
     Raises:
         ConfigError: the batch has fewer than 2 samples, or the trial cannot run the model on it.
@@ -144,14 +158,18 @@ def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[
     sizes = (2, 4) if size >= 4 else (1, 2)
     device = next(module.parameters()).device
     buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
-    saved = []
+
+    def trial(samples: int) -> int:
+        args, kwargs = trial_input(batch, samples, device)
+        saved, output = saved_tensor_bytes(functools.partial(module, *args, **kwargs), parameters)
+        trial_loss(output).backward()
+        for parameter in module.parameters():
+            parameter.grad = None
+        return saved
+
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for samples in sizes:
-                args, kwargs = trial_input(batch, samples, device)
-                count, output = saved_tensor_bytes(functools.partial(module, *args, **kwargs), parameters)
-                output_sum(output).backward()
-                saved.append(count)
+            return per_sample_bytes(trial, sizes)
     except Exception as error:  # the batch, the model or the memory
         reason = (str(error).splitlines() or [""])[0]
         raise ConfigError(f"could not probe the activations on the loader's first batch ({type(error).__name__}: "
@@ -162,7 +180,6 @@ def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    return max(saved[1] - saved[0], 0) / (sizes[1] - sizes[0])
 
 
 def _leaves(batch: Any) -> list[Any]:
