@@ -4,7 +4,9 @@ FSDP2's buffers are placed, over what one sample adds to a step's peak.
 Under ``hetdp.DDP`` every rank holds a replica, so a group trains only what its
 smallest device holds; sharded, rank r holds 1/W of the parameters, gradients and
 optimizer state, and its cap is C-ADP eq. 3's P_max with the shard in the fixed part:
-``floor((memory - shard - buffers) / bytes per sample)``.
+``floor((memory - shard - buffers) / bytes per sample)``. Where the loop lets
+gradients wait (``set_requires_gradient_sync(False)``), FSDP2 keeps every unit's
+unsharded gradient between backwards: ``footprint(..., gradients_wait=True)``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Footprint:
     buffers: int
     """FSDP2's: the unit computing and the next one gathered ahead, the largest unit's unsharded gradients and
     reduce-scatter input, and the units kept gathered from forward to backward."""
+    waiting: int = 0
+    """Gradients that wait: while the loop lets them (``set_requires_gradient_sync(False)``, as accumulation does)
+    FSDP2 keeps every unit's unsharded gradient, in the dtype it reduce-scatters in, from one backward to the next
+    instead of reduce-scattering it into the shard; 0 where counted for a loop that lets none wait."""
 
     @property
     def state(self) -> int:
@@ -67,7 +73,7 @@ class Footprint:
 
     @property
     def held(self) -> int:
-        return self.state + self.buffers
+        return self.state + self.buffers + self.waiting
 
 
 def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mapping[str, Any]]) -> list[UnitShape]:
@@ -94,13 +100,16 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
-def footprint(shapes: Sequence[UnitShape], parameter_bytes: int) -> Footprint:
-    """A rank's ``Footprint`` from its units' shapes and the bytes of its parameter shards (``storage_bytes``)."""
+def footprint(shapes: Sequence[UnitShape], parameter_bytes: int, *, gradients_wait: bool = False) -> Footprint:
+    """A rank's ``Footprint`` from its units' shapes and the bytes of its parameter shards (``storage_bytes``);
+    ``gradients_wait``: the loop lets gradients wait, so every unit's unsharded gradient is held too."""
     gathered = max((shape.gathered_bytes for shape in shapes), default=0)
     reduced = max((shape.reduced_bytes for shape in shapes), default=0)
     kept = sum(shape.gathered_bytes for shape in shapes if shape.kept)
+    waiting = sum(shape.reduced_bytes for shape in shapes) if gradients_wait else 0
     return Footprint(parameters=parameter_bytes, gradients=parameter_bytes,
-                     optimizer=OPTIMIZER_COPIES * parameter_bytes, buffers=3 * gathered + reduced + kept)
+                     optimizer=OPTIMIZER_COPIES * parameter_bytes, buffers=3 * gathered + reduced + kept,
+                     waiting=waiting)
 
 
 @dataclass(frozen=True)

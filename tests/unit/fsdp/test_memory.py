@@ -42,6 +42,15 @@ def test_a_device_table_without_activations_asks_for_a_probe():
     assert budget(0, torch.device("cpu"), emulation, held).per_sample_bytes is None
 
 
+def test_gradients_that_wait_hold_every_unit_s_unsharded_gradient_beside_the_rest():
+    shapes = [UnitShape(gathered_bytes=400, reduced_bytes=800, kept=True),
+              UnitShape(gathered_bytes=1000, reduced_bytes=2000, kept=False),
+              UnitShape(gathered_bytes=1000, reduced_bytes=2000, kept=False)]
+    waiting = footprint(shapes, parameter_bytes=600, gradients_wait=True)
+    assert waiting.waiting == 800 + 2000 + 2000  # in the dtype each unit reduce-scatters in
+    assert waiting.held == footprint(shapes, parameter_bytes=600).held + waiting.waiting
+
+
 class Blocks(nn.Module):
     """A residual MLP of ``depth`` blocks over a classifier of ``classes`` logits, each block checkpointed or not."""
 
