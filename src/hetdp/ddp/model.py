@@ -125,7 +125,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         convention = loss_convention(loss, sync_spec)
         if follow is not None:
             check_follows(follow, DistributedDataParallel, own_settings=allocation is not None or emulation is not None,
-                          sync=sync_spec)
+                          sync=sync_spec, module=module)
         own_group = process_group is None
         group = new_step_group(step_timeout_s) if own_group else process_group
         place = (dist.get_rank(group), dist.get_world_size(group))
