@@ -38,7 +38,7 @@ from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedRe
 from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
-from hetdp.sync.base import LossConvention, Synchronizer, check_loss, step_part
+from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
 
 
@@ -182,6 +182,8 @@ class ShardedDropIn(StepCoordinator):
             unit.register_forward_pre_hook(self._forward_starts, prepend=True),
             unit.register_forward_hook(self._forward_ended))]
         self._coordinate(root, EveryStep(), group, settings.metrics, functools.partial(_progress, weakref.ref(self)))
+        if (mix := batch_statistics_mix(root, self.loss)) is not None and self._first_warning("batch statistics"):
+            warnings.warn(f"hetdp.fully_shard: {mix}", stacklevel=4)
 
     def _install_comms(self) -> None:
         exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,

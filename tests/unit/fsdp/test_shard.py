@@ -122,3 +122,18 @@ def test_gradients_that_wait_beyond_a_cap_cut_for_a_loop_that_lets_none_wait_war
         model.set_requires_gradient_sync(True)
         model.set_requires_gradient_sync(False)  # once
     model.close()
+
+
+@pytest.mark.parametrize(("loss", "warns"), [("mean", True), ("sum", False)])
+def test_a_sync_batchnorm_under_a_per_rank_mean_warns_that_unequal_shares_are_not_exact(one_rank, loss, warns):
+    model = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8), nn.Linear(8, 2))
+    fully_shard(model, allocation="equal", loss=loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.allocate(_loader())
+    said = [str(w.message) for w in caught if "SyncBatchNorm" in str(w.message)]
+    assert said == (["hetdp.fully_shard: a SyncBatchNorm sums the ranks' gradients before they are weighed, so under "
+                     "loss='mean' (each rank's loss the mean over its own share) unequal shares give another gradient "
+                     "than one process: divide each rank's summed loss by the equal share (global batch / ranks) and "
+                     "pass loss='sum'"] if warns else [])
+    model.close()
