@@ -22,12 +22,15 @@ from hetdp.allocate.policy import AllocationPolicy
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig
+from hetdp.floor import check_framework
 from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import lightning.pytorch as pl
+
+    check_framework("lightning", pl.__version__, user="hetdp.integrations.lightning")
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn

@@ -12,12 +12,15 @@ import torch
 from hetdp.allocate.policy import AllocationPolicy
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import MetricsConfig
+from hetdp.floor import check_framework
 from hetdp.integrations.accelerate import Accelerator, AllocatedDataLoader
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import transformers
+
+    check_framework("transformers", transformers.__version__, user="hetdp.integrations.transformers")
     from transformers import TrainerCallback
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ConfigError("hetdp.integrations.transformers needs Hugging Face transformers: "
