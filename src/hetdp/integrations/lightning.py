@@ -282,7 +282,7 @@ class _Steps(Callback):
             return
         ticket = self.strategy.loader.begin_batch()
         if ticket.samples == 0 and trainer._results is not None:
-            # self.log weighs epoch means by the batch's size: a one-sample stand-in (weighted 0 in the gradient)
+            # self.log weighs epoch means by the batch's size: a stand-in batch (weighted 0 in the gradient)
             # counts for nothing there either.
             trainer._results.batch_size = 0
 

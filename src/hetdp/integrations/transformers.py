@@ -41,8 +41,8 @@ class Trainer(transformers.Trainer):
     With ``average_tokens_across_devices`` (the default) the Trainer already
     divides each rank's loss by the step's token count over all ranks, and scales
     it by the number of ranks to undo DDP's mean: those steps are weighed as plain
-    DDP weighs them, not by the ranks' shares again, and a rank's one-sample
-    stand-in batch (the epoch's last step, fewer samples than ranks) adds neither
+    DDP weighs them, not by the ranks' shares again, and a rank's stand-in
+    batch (the epoch's last step, fewer samples than ranks) adds neither
     tokens nor gradient. Otherwise each rank's loss is the mean over its own batch
     and is weighed by its samples, as ``hetdp.DDP`` does.
 
