@@ -53,6 +53,8 @@ class ShardedModule:
 
         ``max_batch`` None (and ``"measure"``): each rank's cap comes from its memory once its shard is placed, on
         CUDA and under ``hetdp run --devices`` (a device table's memory fields); numbers are taken as given.
+        ``accumulates=True`` also says the loop lets gradients wait (``set_requires_gradient_sync(False)``): the
+        caps then count FSDP2's unsharded gradients, which it keeps meanwhile.
         ``own_data`` does not map: each rank holds a shard of one model that every rank trains on every step.
 
         Raises:
