@@ -1,13 +1,20 @@
-"""The oldest torch each path of hetdp runs on: the package's floor, checked once at import (an older torch fails
-there, in one line), and the sharded path's, checked where it is first used.
+"""The oldest torch and framework each path of hetdp runs on: the package's torch floor, checked once at import (an
+older torch fails there, in one line), the sharded path's, and each integration's framework's, checked where first
+used (one ``ConfigError`` naming the version needed).
 
-| path | floor | why |
+| path | floor | checked |
 | --- | --- | --- |
-| ``hetdp.DDP`` and its integrations (Lightning's, Accelerate's and transformers' DDP) | 2.6 | ``group_src`` / ``group_dst`` |
-| ``hetdp.fully_shard`` and the Lightning FSDP2 strategy | 2.13 (the version tested) | FSDP2's hooks below |
+| ``hetdp.DDP`` | torch 2.6 (``group_src`` / ``group_dst``) | ``import hetdp`` |
+| ``hetdp.fully_shard``, the Lightning FSDP2 strategy | torch 2.13 (FSDP2's methods below) | ``fully_shard``, ``allocate`` |
+| Lightning (``strategy="hetdp"``, ``"hetdp_fsdp"``) | lightning 2.6 | ``import hetdp.integrations.lightning`` |
+| Accelerate | accelerate 1.15 | ``import hetdp.integrations.accelerate`` |
+| transformers' ``Trainer`` | transformers 5, accelerate 1.15 | ``import hetdp.integrations.transformers`` |
+| Ray Train | ray 2.60 | ``hetdp.init_distributed()`` in a Ray Train worker |
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.torch_version import TorchVersion
@@ -26,6 +33,26 @@ SHARDED_METHODS = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_fo
                    "set_gradient_divide_factor", "set_reduce_scatter_unused_params", "set_requires_gradient_sync")
 """What ``hetdp.fsdp`` calls on every unit: the timed and weighed collectives, a SUM with no divide, zero gradients
 for unused parameters (ranks that use different parameters), and gradients that wait."""
+
+
+FRAMEWORKS = {"lightning": ("2.6", "2.7"), "accelerate": ("1.15", "2"), "transformers": ("5", "6"),
+              "ray": ("2.60", "3")}
+"""Each integration's framework: (the oldest version hetdp runs on, the first it was not tested with), as
+pyproject.toml's extras of the same names pin them. The integrations reach into the frameworks' loops (Lightning's
+strategies and callbacks, Accelerate's data loaders and state, the Trainer's token counts), which change between
+releases."""
+
+
+def check_framework(name: str, version: str, *, user: str) -> None:
+    """Raise ConfigError if ``version`` of the framework ``name`` (a key of ``FRAMEWORKS``) is below its floor; warn
+    where it is past the versions tested. ``user``: what needs it, as the message names it."""
+    floor, untested = FRAMEWORKS[name]
+    if TorchVersion(version) < floor:
+        raise ConfigError(f"{user} needs {name} >= {floor}, found {version}: pip install 'hetdp[{name}]' "
+                          f"('{name}>={floor},<{untested}')")
+    if TorchVersion(version) >= untested:
+        warnings.warn(f"{user} was tested with {name} >= {floor}, < {untested}, found {version}: its adapter reaches "
+                      f"into {name}'s internals, which may have changed", stacklevel=3)
 
 
 def check_torch(version: str = torch.__version__) -> None:

@@ -7,6 +7,7 @@ import datetime
 import importlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from hetdp import liveness
 from hetdp.engines import placement
 from hetdp.errors import ConfigError, PeerTimeoutError
+from hetdp.floor import check_framework
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,13 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     workers share a laptop's GPU). A process already in a group keeps it, so library code may call this freely.
 
     Raises:
-        ConfigError: no engine's variables, or incomplete ones (the message names what is missing).
+        ConfigError: no engine's variables, or incomplete ones (the message names what is missing); in a Ray Train
+            worker, a Ray older than hetdp's floor (``hetdp.floor.FRAMEWORKS``).
     """
     if dist.is_initialized():
+        ray = sys.modules.get("ray")
+        if ray is not None and "ray.train" in sys.modules:  # Ray Train made the group: hetdp meets Ray here
+            check_framework("ray", ray.__version__, user="hetdp under Ray Train")
         return dist.get_rank(), dist.get_world_size()
     place = placement()
     os.environ.update(place.environ())  # torch's env:// initialisation, and code that reads LOCAL_RANK, find them

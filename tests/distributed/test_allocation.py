@@ -76,6 +76,16 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(results):
 
 
 @pytest.mark.serial
+def test_a_resume_whose_saved_shares_exceed_its_memory_caps_splits_them_within_the_caps_and_trains_on(results):
+    # Saved at shares 6, 2, 4 with no cap, resumed where each rank holds 4 samples: split again as 4, 4, 4, and the
+    # run goes on as the uninterrupted one (the split changes, the global batches and the gradient do not).
+    out, figures = results
+    assert apportion((3.0, 1.0, 2.0), 12) == [6, 2, 4]
+    assert figures["capped_resume"] == {"shares": [4, 4, 4], "caps": [4, 4, 4]}
+    assert_same_parameters(torch.load(out / "capped.pt"), torch.load(out / "straight.pt"), atol=1e-6)
+
+
+@pytest.mark.serial
 def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):
     _, figures = results
     shares = figures["adaptive"]["shares"][0]

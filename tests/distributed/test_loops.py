@@ -83,6 +83,12 @@ def test_a_loop_that_fetches_ahead_trains_each_batch_under_its_own_shares(out, d
     assert mine["reports"] == [1, 2]  # each epoch's report is there right after its for loop
     assert mine["samples"] == [[11, 8, 19, 12], [8, 15, 15, 12]]
     assert mine["warnings"] == []
+    # model.step_samples, read in the loop body before the forward, is the batch's own at every depth: its size,
+    # and 0 on a stand-in batch (whose samples a step's token count must not count).
+    for rank, record in enumerate(figures):
+        seen = record[f"depth{depth}"]["seen"]
+        assert [samples for _, samples in seen] == [block[rank] for block in mine["blocks"]]
+        assert all(size == samples for size, samples in seen if samples)
     assert_trains_as(out / f"prefetch_{depth}.pt", reference(50, 16, optimizer="adamw"))
 
 

@@ -1,4 +1,5 @@
-"""Memory caps: the most samples each rank's forward may hold, and whether a step's global batch fits under them."""
+"""Memory caps: the most samples each rank's forward may hold, whether a step's global batch fits under them, and
+shares (a resumed run's) brought within them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from hetdp.allocate.apportion import apportion
 from hetdp.allocate.pack import CostBalance
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
@@ -56,6 +58,28 @@ def check_fits(caps: Sequence[int | None], global_batch: int, cost: CostBalance 
             f"a global batch of {global_batch} does not fit under the ranks' memory caps {limits} (at most "
             f"{sum(limits)} samples, one forward each; the drop-in cannot split a share for your loop): lower "
             f"global_batch, or run shares as micro-batches under no_sync in your loop (accumulates=True)")
+
+
+def within_caps(shares: Sequence[int], caps: Sequence[int | None] | None, minimum: int) -> list[int]:
+    """``shares`` where each is within its rank's cap (None: no cap), else their total split again within the caps,
+    in proportion to ``shares``, each nonzero share at least ``minimum``: a checkpoint's shares resumed under the caps
+    of the run that resumes them (another card, another ``max_batch``). A rank at 0 (it sits out) stays out where
+    the others' caps hold the step; where they do not, every rank takes part again.
+
+    Raises:
+        ConfigError: the caps of every rank together cannot hold the step (``check_fits`` refuses that earlier).
+    """
+    if caps is None or all(cap is None or share <= cap for share, cap in zip(shares, caps)):
+        return list(shares)
+    total = sum(shares)
+    members = [rank for rank, share in enumerate(shares) if share > 0]
+    room = [caps[rank] for rank in members]
+    ranks = members if None in room or sum(room) >= total else list(range(len(shares)))  # type: ignore[arg-type]
+    split = apportion([float(shares[rank] or 1) for rank in ranks], total, minimum, caps=[caps[rank] for rank in ranks])
+    fitted = [0] * len(shares)
+    for rank, share in zip(ranks, split):
+        fitted[rank] = share
+    return fitted
 
 
 def shard_cap(memory_bytes: float, held_bytes: float, per_sample_bytes: float, *, device: str) -> int | None:

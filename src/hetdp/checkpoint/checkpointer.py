@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetdp.allocate.caps import within_caps
 from hetdp.checkpoint.files import load_checkpoint, save_checkpoint
 from hetdp.data.randomness import random_state
 from hetdp.errors import CheckpointError, ConfigError, RefusedCheckpointError
@@ -265,16 +266,36 @@ class CheckpointState:
                            position=self._epochs.position(steps_done)).to_dict()
 
     def load_hetdp_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch.
+        """Restore ``hetdp_state_dict``; call ``allocate`` first, so that the shares have a global batch and caps.
 
         Saved by another number of ranks, the allocation starts afresh for this one (adaptive allocation
         re-learns the shares) and the epoch continues at the saved step: the steps keep their samples,
-        only the split among ranks changes.
+        only the split among ranks changes. So it is where a saved share exceeds its rank's memory cap in this
+        run (another card, less free memory, another ``max_batch``): the shares are split again within the caps
+        (``within_caps``), with a warning, and the run goes on.
         """
         saved = ResumeState.of(state, self.world_size)
         self._planner.restore(saved.steps_done, saved.allocator, saved.world_size)
+        self._fit_caps(saved.steps_done)
         self.resume_position = saved.position if saved.position is not None else (0, 0)
         self._epochs.next = self.resume_position[0]
         loader = self._planner.loader() if self._planner.loader is not None else None
         if loader is not None and saved.position is not None:
             loader.sampler.resume_at(*saved.position)
+
+    def _fit_caps(self, steps_done: int) -> None:
+        """Bring the restored shares within this run's memory caps, from the resumed step on. The shares say how a
+        step is split, not what it trains (its samples, their order and the gradient are the same for any split), so
+        a resume under smaller caps goes on where a refusal would leave the checkpoint unusable on that card."""
+        allocator = self._planner.allocator
+        if allocator is None:
+            return
+        fitted = within_caps(allocator.shares, allocator.caps, allocator.minimum)
+        if fitted == allocator.shares:
+            return
+        if self._planner.rank == 0:
+            log.warning("the checkpoint's shares %s exceed this run's memory caps %s: split again within them as %s",
+                        allocator.shares, allocator.caps, fitted)
+        why_out = dict(allocator.sat_out)
+        self._planner.force(steps_done, fitted)
+        allocator.sat_out = {rank: why_out.get(rank, why) for rank, why in allocator.sat_out.items()}

@@ -1,22 +1,28 @@
 """The largest forward a rank's memory allows: from its emulated device, or measured on CUDA; and the measures the
-sharded drop-in's caps are made of (the activations a batch saves, the bytes a shard holds).
+sharded drop-in's caps are made of (what one more sample adds to a step's peak, the bytes a shard holds).
 
 The drop-in cannot split a share of the user's loop into micro-batches, so this
 cap bounds the shares (``model.allocate(loader, max_batch="measure")``). On CUDA
 it comes from the free memory (``torch.cuda.mem_get_info``) and the peak memory
-of trial steps at two batch sizes; on CPU there is none.
+of trial steps at two batch sizes; on CPU there is none. A trial step's loss is
+``trial_loss``, which holds what a loss on logits holds.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hetdp.cluster.emulate import Emulation
 from hetdp.errors import ConfigError
@@ -109,17 +115,18 @@ def trial_step(module: nn.Module, batch: Any, samples: int) -> None:
     """Forward and backward on the first ``samples`` of ``batch``, leaving ``module`` untouched.
 
     ``batch`` is a tensor, a sequence whose first item is the model's input, or a
-    mapping of keyword arguments. The output's sum stands for the loss: backward
-    memory does not depend on the loss function. The step runs on detached
-    parameters and copied buffers, so the model's gradients, its DDP hooks and its
-    BatchNorm statistics never see it.
+    mapping of keyword arguments. Its loss is ``trial_loss``, so that the peak
+    counts the logits, the loss's own tensors and their gradients as a loop's
+    loss holds them; under activation checkpointing the peak is the recomputation's.
+    The step runs on detached parameters and copied buffers, so the model's
+    gradients, its DDP hooks and its BatchNorm statistics never see it.
     """
     device = next(module.parameters()).device
     state = {name: p.detach().requires_grad_(p.requires_grad) for name, p in module.named_parameters()}
     state.update((name, buffer.clone()) for name, buffer in module.named_buffers())
     try:
         args, kwargs = trial_input(batch, samples, device)
-        output_sum(functional_call(module, state, args, kwargs)).backward()
+        trial_loss(functional_call(module, state, args, kwargs)).backward()
     except Exception as error:  # the batch, the model or the memory: the user can still give the cap
         reason = (str(error).splitlines() or [""])[0]
         raise ConfigError(f"max_batch='measure' could not run a trial step on the loader's first batch "
@@ -189,10 +196,119 @@ def trial_input(batch: Any, samples: int, device: torch.device) -> tuple[tuple[A
     return (cut(batch[0] if isinstance(batch, (list, tuple)) else batch),), {}
 
 
-def output_sum(output: Any) -> torch.Tensor:
-    """The sum of every tensor of ``output`` that requires grad: a trial's stand-in for the loss (backward memory
-    does not depend on the loss function)."""
-    outputs = [tensor.float().sum() for tensor in _tensors(output) if tensor.requires_grad]
-    if not outputs:
+def trial_loss(output: Any) -> torch.Tensor:
+    """A trial step's loss on ``output``, holding what the loop's loss would hold of memory.
+
+    A scalar that requires grad is the model's own loss (transformers' models compute it when given labels): it
+    is the trial's as is. Otherwise each floating tensor that requires grad is taken as logits over its last
+    dimension and scored by a cross-entropy in float32, the most common loss on logits and the largest of the
+    common ones: it saves a float32 copy of the logits (their log-softmax) and its backward makes a gradient of
+    that size, which at a language model's vocabulary outweighs every activation of a layer. A loss that holds
+    less (a regression's mean squared error) leaves the cap on the safe side.
+
+    Raises:
+        ValueError: ``output`` holds no tensor that requires grad.
+    """
+    tensors = [tensor for tensor in _tensors(output) if tensor.requires_grad]
+    if not tensors:
         raise ValueError("the model's output holds no tensor that requires grad")
-    return torch.stack(outputs).sum()
+    losses = [tensor for tensor in tensors if tensor.dim() == 0]
+    if losses:
+        return torch.stack([loss.float() for loss in losses]).sum()
+    terms = [-torch.log_softmax(tensor.float(), dim=-1).select(-1, 0).sum() if tensor.is_floating_point()
+             else tensor.sum() for tensor in tensors]
+    return torch.stack(terms).sum()
+
+
+class LiveBytes(TorchDispatchMode):
+    """The storages that operators make while it is active, each with its size, the operator that made it and the
+    one after which it was freed: a step's memory over time, on any device (on CPU nothing else tells it).
+
+    A storage counts from the operator that made it (an output whose storage is none of the operator's inputs':
+    not a view, not written in place) until it is freed, however many tensors hold it. What existed before (the
+    parameters, the batch) never counts. Backward runs its operators on this thread where its graph is on the CPU,
+    and carries the mode to the device threads where it is on an accelerator, so a backward's gradients and an
+    activation checkpoint's recomputation count as they happen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators: list[str] = []
+        """Each operator's name, in the order they ran."""
+        self.sizes: list[int] = []
+        """Each storage's bytes, in the order they were made."""
+        self.made: list[int] = []
+        """The operator (its index) that made each storage."""
+        self.freed: dict[int, int] = {}
+        """Storage -> the operators run when it was freed (a storage alive at the end is absent)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        given = {_address(value) for value in tree_leaves((args, kwargs)) if isinstance(value, torch.Tensor)}
+        output = func(*args, **kwargs)
+        for value in tree_leaves(output):
+            if not isinstance(value, torch.Tensor):
+                continue
+            address = _address(value)
+            if address and address not in given:
+                given.add(address)
+                storage = value.untyped_storage()
+                weakref.finalize(storage, self._free, len(self.sizes))
+                self.sizes.append(storage.nbytes())
+                self.made.append(len(self.operators))
+        self.operators.append(str(func))
+        return output
+
+    def _free(self, storage: int) -> None:
+        self.freed[storage] = len(self.operators)
+
+    def timeline(self, counted: Sequence[bool]) -> list[int]:
+        """The bytes alive after each operator, of the storages ``counted`` (by the order they were made)."""
+        change = [0] * (len(self.operators) + 1)
+        for storage, (size, made) in enumerate(zip(self.sizes, self.made)):
+            if counted[storage]:
+                change[made] += size
+                change[self.freed.get(storage, len(self.operators))] -= size
+        return list(itertools.accumulate(change))[:-1]
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s storage lives (0: it has none of its own, as a DTensor or another wrapper)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
+
+
+def per_sample_bytes(trial: Callable[[int], int], sizes: tuple[int, int]) -> float:
+    """What one more sample adds to the peak memory of ``trial(samples)``: a forward and backward on that many
+    samples, which returns the bytes autograd saved in it (``saved_tensor_bytes``).
+
+    Both sizes run under ``LiveBytes``, after one warm-up trial at the smaller (a first step makes what later ones
+    reuse: lazy initialisation, FSDP2's buffers). Where both ran the same operators and made as many storages, the
+    storages whose size differs between the two are the batch's, and their bytes alive are compared operator by
+    operator: the largest difference is what the batch holds at its peak, wherever that peak falls. What does not
+    grow with the batch (parameters gathered, gradients of parameters, communication buffers, freed when another
+    thread lets them go) is left out: comparing the two peaks instead reads the batch's part where the smaller
+    trial peaks (at a few samples, where a gathered unit or the gradients of parameters do), not where the batch
+    does. A model whose operators depend on the data (a mixture of experts routing tokens) runs other operators at
+    each size: then the larger of the peaks' difference and of the saved bytes' is taken.
+    """
+    small, large = sizes
+    gc.collect()
+    trial(small)
+    runs, saved = [], []
+    for samples in sizes:
+        gc.collect()  # what earlier trials left in reference cycles goes now, not inside the next
+        with LiveBytes() as live:
+            saved.append(trial(samples))
+        runs.append(live)
+    first, second = runs
+    if first.operators == second.operators and len(first.sizes) == len(second.sizes):
+        batch = [a != b for a, b in zip(first.sizes, second.sizes)]
+        grown = max((b - a for a, b in zip(first.timeline(batch), second.timeline(batch))), default=0)
+    else:
+        everything = [True] * max(len(first.sizes), len(second.sizes))
+        peaks = [max(run.timeline(everything), default=0) for run in runs]
+        grown = max(peaks[1] - peaks[0], saved[1] - saved[0])
+    return max(grown, 0) / (large - small)

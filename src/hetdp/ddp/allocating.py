@@ -101,7 +101,7 @@ class Allocating:
             global_batch = batch * self.world_size
         balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
-            caps = self._memory_caps(max_batch, loader)
+            caps = self._memory_caps(max_batch, loader, accumulates=accumulates)
             bounds = None if accumulates else caps
             if bounds is not None:
                 check_fits(bounds, global_batch, balance)
@@ -138,8 +138,9 @@ class Allocating:
         return allocated
 
     def _memory_caps(self, max_batch: int | Sequence[int | None] | Literal["measure"] | None,
-                     loader: DataLoader) -> list[int | None] | None:
-        """Every rank's largest forward (None: no cap): ``max_batch`` as ``allocate`` takes it (collective)."""
+                     loader: DataLoader, *, accumulates: bool = False) -> list[int | None] | None:
+        """Every rank's largest forward (None: no cap): ``max_batch`` as ``allocate`` takes it (collective). A
+        replica holds its whole gradient whether or not the loop accumulates: ``accumulates`` changes nothing here."""
         return memory_caps(max_batch, self.world_size, self.emulation, self._gather_objects,
                            lambda: largest_forward(self.module, loader, rank=self.rank, emulation=self.emulation))
 

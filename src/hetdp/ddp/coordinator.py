@@ -128,9 +128,9 @@ class StepCoordinator(Allocating, CheckpointState):
         self._epochs.begin(epoch, first=self.steps_done - start_step)
 
     def begin_step(self, samples: int, total: int) -> None:
-        """Open a step in which this rank computes ``samples`` of the step's ``total`` (0: a stand-in batch, run in
-        eval mode and weighted 0). The allocated loader calls it; a loop with its own batching calls it before each
-        step's first forward, and ``end_step`` after ``optimizer.step()``."""
+        """Open a step in which this rank computes ``samples`` of the step's ``total`` (0: a stand-in batch, a training
+        step in the module's own mode that weighs nothing). The allocated loader calls it; a loop with its own batching
+        calls it before each step's first forward, and ``end_step`` after ``optimizer.step()``."""
         if not 0 <= samples <= total or total < 1:
             raise ConfigError(f"a step needs 0 <= samples <= total and total >= 1, got {samples} of {total}")
         if self._epochs.tally is None:

@@ -11,9 +11,11 @@ import weakref
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
+from torch import nn
 
 from hetdp.ddp.hook import waits_for_rounds
 from hetdp.errors import ConfigError
+from hetdp.membership.standin import synchronizes_batches
 from hetdp.sync.policy import SyncPolicy
 
 
@@ -27,10 +29,11 @@ class _Model(Protocol):
 Model = TypeVar("Model", bound=_Model)
 
 
-def check_follows(follow: Any, kind: type, *, own_settings: bool, sync: SyncPolicy) -> None:
-    """Raise ConfigError unless a model may follow ``follow``: one of ``kind`` (``hetdp.DDP``), with the follower's
-    allocation and emulation left to it (``own_settings``: some were given), and neither one's rounds waiting for
-    other ranks, which would wait on the other model's exchange."""
+def check_follows(follow: Any, kind: type, *, own_settings: bool, sync: SyncPolicy, module: nn.Module) -> None:
+    """Raise ConfigError unless a model of ``module`` may follow ``follow``: one of ``kind`` (``hetdp.DDP``), with the
+    follower's allocation and emulation left to it (``own_settings``: some were given), neither one's rounds waiting
+    for other ranks, which would wait on the other model's exchange, and no ``SyncBatchNorm`` in ``module`` where
+    ``follow``'s ranks may sit out (the layer meets every rank in every step)."""
     if not isinstance(follow, kind):
         raise ConfigError(f"follow must be a hetdp.DDP, got {type(follow).__name__}")
     if own_settings:
@@ -41,6 +44,10 @@ def check_follows(follow: Any, kind: type, *, own_settings: bool, sync: SyncPoli
                           f"{follow.sync.describe()}: a partial allreduce whose rounds wait for other ranks "
                           "(majority, quorum, full) would wait on the other model's exchange and they would "
                           "deadlock; use allreduce, solo or local for both")
+    if synchronizes_batches(module) and follow._sitting is not None:
+        raise ConfigError(f"this {type(module).__name__}'s SyncBatchNorm meets every rank in every step, and the model "
+                          "it follows lets ranks sit out of steps: give that model's module a SyncBatchNorm too (no "
+                          "rank then sits out), or follow none")
 
 
 def check_place(follow: _Model, place: tuple[int, int], made: dist.ProcessGroup | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from types import TracebackType
 from typing import Any
@@ -36,7 +37,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
-from hetdp.sync.base import LossConvention
+from hetdp.sync.base import LossConvention, batch_statistics_mix
 from hetdp.sync.policy import SyncPolicy, sync_policy
 
 
@@ -125,7 +126,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         convention = loss_convention(loss, sync_spec)
         if follow is not None:
             check_follows(follow, DistributedDataParallel, own_settings=allocation is not None or emulation is not None,
-                          sync=sync_spec)
+                          sync=sync_spec, module=module)
         own_group = process_group is None
         group = new_step_group(step_timeout_s) if own_group else process_group
         place = (dist.get_rank(group), dist.get_world_size(group))
@@ -150,6 +151,8 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
         self._coordinate(module, self.synchronizer, group, metrics, functools.partial(progress, weakref.ref(self)))
+        if (mix := batch_statistics_mix(module, convention)) is not None and self._first_warning("batch statistics"):
+            warnings.warn(f"hetdp.DDP: {mix}", stacklevel=2)
         self._followers: Followers[DistributedDataParallel] = Followers()
         self._follows = follow is not None
         if follow is not None:

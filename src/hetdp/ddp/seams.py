@@ -19,7 +19,7 @@ from hetdp.ddp.hook import HookState
 from hetdp.ddp.step import StepRunner
 from hetdp.membership.optimizers import Optimizers
 from hetdp.membership.schedule import SitOut
-from hetdp.membership.standin import StandIn
+from hetdp.membership.standin import StandIn, synchronizes_batches
 from hetdp.sync.averaging import ParameterAveraging
 from hetdp.sync.base import Synchronizer
 from hetdp.sync.gradient_sum import GradientSum, Route
@@ -105,13 +105,20 @@ class SeamParts:
 def seam(model: Any, parts: SeamParts, module: nn.Module, timeout_s: float,
          leader: SitOutSeam | LocalSeam | None) -> SitOutSeam | LocalSeam | None:
     """The seam of ``model`` (a torch DDP) over ``module`` for its synchronization: ``SitOutSeam`` under allreduce
-    (``GradientSum``), ``LocalSeam`` under local training, None under partial synchronization; ``leader``: the seam
-    of the model it follows, if any."""
+    (``GradientSum``), ``LocalSeam`` under local training, None under partial synchronization and for a module with
+    a ``SyncBatchNorm``; ``leader``: the seam of the model it follows, if any.
+
+    A ``SyncBatchNorm`` all-gathers every rank's statistics in each forward and all-reduces its gradient's sums in
+    each backward, over all ranks: a rank cannot leave its steps, so none sits out, and a share of 0 runs a
+    stand-in in the exchange, weighted 0, that joins the layer's collectives with no sample (``kept_state``).
+    """
     if leader is not None and leader.optimizers is not None:
         leader.optimizers.add(module)
     if isinstance(parts.synchronizer, ParameterAveraging):
         return LocalSeam(parts, module)
     if not isinstance(parts.synchronizer, GradientSum):
+        return None
+    if synchronizes_batches(module):  # a follower's is refused beside a leader whose ranks may sit out
         return None
     if isinstance(leader, SitOutSeam):
         return SitOutSeam(model, parts, leader.sitting, None, leader.stand_in)

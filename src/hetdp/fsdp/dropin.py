@@ -8,6 +8,7 @@ the root (``hetdp.fsdp.shard``); the module's methods hand the rest to it.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +38,7 @@ from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedRe
 from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
-from hetdp.sync.base import LossConvention, Synchronizer, check_loss, step_part
+from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
 
 
@@ -114,6 +115,15 @@ class _Steps:
     open: _OpenStep | None = None
 
 
+@dataclass(frozen=True)
+class _Unwaited:
+    """What a memory cap cut for a loop that lets no gradient wait leaves out: FSDP2's unsharded gradients that
+    wait, and the rank's cap with them counted (0: not one sample fits)."""
+
+    bytes: int
+    cap: int
+
+
 class ShardedDropIn(StepCoordinator):
     """FSDP2 units under ``root`` in which rank i computes ``shares[i]`` samples of every step, exactly.
 
@@ -163,13 +173,17 @@ class ShardedDropIn(StepCoordinator):
         self.footprint: Footprint | None = None
         """What this rank holds whatever its batch, as ``allocate`` counted it for the caps (None: not counted)."""
         self.activation_bytes_per_sample: float | None = None
-        """The activations one sample holds, as ``allocate`` probed them (None: not probed)."""
+        """What one sample adds to a step's peak memory, as ``allocate`` probed it (None: not probed)."""
+        self._unwaited: _Unwaited | None = None
+        """What the memory caps ``allocate`` cut leave out where the loop lets gradients wait (None: nothing)."""
         self._tops = [unit for unit in self.units if not any(other is not unit and _holds(other, unit)
                                                              for other in self.units)]
         self._handles = [handle for unit in self._tops for handle in (
             unit.register_forward_pre_hook(self._forward_starts, prepend=True),
             unit.register_forward_hook(self._forward_ended))]
         self._coordinate(root, EveryStep(), group, settings.metrics, functools.partial(_progress, weakref.ref(self)))
+        if (mix := batch_statistics_mix(root, self.loss)) is not None and self._first_warning("batch statistics"):
+            warnings.warn(f"hetdp.fully_shard: {mix}", stacklevel=4)
 
     def _install_comms(self) -> None:
         exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
@@ -253,6 +267,23 @@ class ShardedDropIn(StepCoordinator):
         self.weighing.syncing = syncing
         if not syncing:
             self._unsharded.start()
+            self._warn_unwaited()
+
+    def _warn_unwaited(self) -> None:
+        """Warn once where gradients wait above this rank's memory cap, which ``allocate`` cut for a loop that lets
+        none wait: FSDP2 then holds every unit's unsharded gradient beside the shard."""
+        unwaited, self._unwaited = self._unwaited, None
+        allocator = self.allocator
+        caps = allocator.caps if allocator is not None else None
+        cap = caps[self.rank] if caps is not None else None
+        if unwaited is None or cap is None or unwaited.cap >= cap:
+            return
+        holds = (f"{unwaited.cap} sample{'' if unwaited.cap == 1 else 's'} a forward" if unwaited.cap
+                 else "not one sample")
+        warnings.warn(f"hetdp.fully_shard: rank {self.rank}: gradients that wait (set_requires_gradient_sync(False)) "
+                      f"keep every unit's unsharded gradient, {unwaited.bytes / 1e6:.3g} MB, which its memory cap of "
+                      f"{cap} samples did not count; with them it holds {holds}: pass allocate(..., accumulates=True) "
+                      f"(shares then run as micro-batches), or a max_batch that leaves room for them", stacklevel=4)
 
     def _close_step(self) -> EndedStep | None:
         step, self._steps.open = self._steps.open, None
@@ -264,15 +295,17 @@ class ShardedDropIn(StepCoordinator):
     # --- memory --------------------------------------------------------------------------------------------------
 
     def _memory_caps(self, max_batch: int | Sequence[int | None] | Literal["measure"] | None,
-                     loader: DataLoader) -> list[int | None] | None:
+                     loader: DataLoader, *, accumulates: bool = False) -> list[int | None] | None:
         """Caps given as numbers stay as given; otherwise (None, ``"measure"``) each rank's comes from its memory once
         its shard is placed (``hetdp.fsdp.memory``): its emulated device's memory fields, or its CUDA device's free
-        memory, over the activations a sample holds, probed where nobody gave them. A probe that cannot run the
-        model on the loader's first batch raises under ``"measure"`` and leaves the shares uncapped, with a warning,
-        by default."""
+        memory, over what a sample adds to a step's peak, probed where nobody gave it. ``accumulates``: the loop lets
+        gradients wait, whose unsharded copies the footprint then counts. A probe that cannot run the model on the
+        loader's first batch raises under ``"measure"`` and leaves the shares uncapped, with a warning, by default."""
         if max_batch is not None and not (isinstance(max_batch, str) and max_batch == "measure"):
-            return super()._memory_caps(max_batch, loader)
-        held = self.footprint = footprint(unit_shapes(self.units, unit_options), storage_bytes(self.module.parameters()))
+            return super()._memory_caps(max_batch, loader, accumulates=accumulates)
+        shapes = unit_shapes(self.units, unit_options)
+        shards = storage_bytes(self.module.parameters())
+        held = self.footprint = footprint(shapes, shards, gradients_wait=accumulates)
         mine = budget(self.rank, self.clock.device, self.emulation, held)
         per_sample: float | ConfigError | None = None
         if any(self._gather_objects(mine is not None and mine.per_sample_bytes is None, "agreeing on a probe")):
@@ -291,6 +324,10 @@ class ShardedDropIn(StepCoordinator):
                 if max_batch is None:
                     return None
                 raise sample_bytes
+            if not accumulates and sample_bytes:  # the cap were gradients to wait, for gradient_sync's warning
+                waiting = footprint(shapes, shards, gradients_wait=True).waiting
+                room = math.floor((mine.memory_bytes - mine.held_bytes - waiting) / sample_bytes)
+                self._unwaited = _Unwaited(waiting, max(room, 0))
             return shard_cap(mine.memory_bytes, mine.held_bytes, sample_bytes or 0.0, device=mine.device)
 
         return memory_caps("measure", self.world_size, self.emulation, self._gather_objects, cap)

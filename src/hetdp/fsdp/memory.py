@@ -1,10 +1,12 @@
 """What bounds a rank's share under sharding: the memory its device leaves once its shard of the model's state and
-FSDP2's buffers are placed, over the activations one sample holds.
+FSDP2's buffers are placed, over what one sample adds to a step's peak.
 
 Under ``hetdp.DDP`` every rank holds a replica, so a group trains only what its
 smallest device holds; sharded, rank r holds 1/W of the parameters, gradients and
 optimizer state, and its cap is C-ADP eq. 3's P_max with the shard in the fixed part:
-``floor((memory - shard - buffers) / activation bytes per sample)``.
+``floor((memory - shard - buffers) / bytes per sample)``. Where the loop lets
+gradients wait (``set_requires_gradient_sync(False)``), FSDP2 keeps every unit's
+unsharded gradient between backwards: ``footprint(..., gradients_wait=True)``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import torch
 from torch import nn
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.cluster.memory import HEADROOM, cuda_free_bytes, output_sum, saved_tensor_bytes, trial_input
+from hetdp.cluster.memory import (
+    HEADROOM,
+    cuda_free_bytes,
+    per_sample_bytes,
+    saved_tensor_bytes,
+    trial_input,
+    trial_loss,
+)
 from hetdp.errors import ConfigError
 
 OPTIMIZER_COPIES = 2
@@ -53,6 +62,10 @@ class Footprint:
     buffers: int
     """FSDP2's: the unit computing and the next one gathered ahead, the largest unit's unsharded gradients and
     reduce-scatter input, and the units kept gathered from forward to backward."""
+    waiting: int = 0
+    """Gradients that wait: while the loop lets them (``set_requires_gradient_sync(False)``, as accumulation does)
+    FSDP2 keeps every unit's unsharded gradient, in the dtype it reduce-scatters in, from one backward to the next
+    instead of reduce-scattering it into the shard; 0 where counted for a loop that lets none wait."""
 
     @property
     def state(self) -> int:
@@ -60,7 +73,7 @@ class Footprint:
 
     @property
     def held(self) -> int:
-        return self.state + self.buffers
+        return self.state + self.buffers + self.waiting
 
 
 def unit_shapes(units: Sequence[nn.Module], options: Callable[[nn.Module], Mapping[str, Any]]) -> list[UnitShape]:
@@ -87,13 +100,16 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
 
 
-def footprint(shapes: Sequence[UnitShape], parameter_bytes: int) -> Footprint:
-    """A rank's ``Footprint`` from its units' shapes and the bytes of its parameter shards (``storage_bytes``)."""
+def footprint(shapes: Sequence[UnitShape], parameter_bytes: int, *, gradients_wait: bool = False) -> Footprint:
+    """A rank's ``Footprint`` from its units' shapes and the bytes of its parameter shards (``storage_bytes``);
+    ``gradients_wait``: the loop lets gradients wait, so every unit's unsharded gradient is held too."""
     gathered = max((shape.gathered_bytes for shape in shapes), default=0)
     reduced = max((shape.reduced_bytes for shape in shapes), default=0)
     kept = sum(shape.gathered_bytes for shape in shapes if shape.kept)
+    waiting = sum(shape.reduced_bytes for shape in shapes) if gradients_wait else 0
     return Footprint(parameters=parameter_bytes, gradients=parameter_bytes,
-                     optimizer=OPTIMIZER_COPIES * parameter_bytes, buffers=3 * gathered + reduced + kept)
+                     optimizer=OPTIMIZER_COPIES * parameter_bytes, buffers=3 * gathered + reduced + kept,
+                     waiting=waiting)
 
 
 @dataclass(frozen=True)
@@ -129,10 +145,17 @@ def budget(rank: int, device: torch.device, emulation: Emulation, held: Footprin
 
 
 def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[], Iterable[torch.Tensor]]) -> float:
-    """Activation bytes one more sample holds in ``module`` (sharded), from a trial forward and backward of two small
-    slices of ``batch`` (its first item, or its keyword arguments, is the model's input), with what autograd saves
-    counted by ``saved_tensor_bytes``. Collective: every rank runs the same trials (FSDP2 gathers and reduces in
-    them); no gradient, buffer or random draw is left behind.
+    """What one more sample adds to the peak memory of a training step of ``module`` (sharded), from trial forwards
+    and backwards on two small slices of ``batch`` (its first item, or its keyword arguments, is the model's
+    input), compared operator by operator (``per_sample_bytes``): the activations, the output and the loss's own
+    tensors (``trial_loss``), the gradients backward makes, and under activation checkpointing what a recomputation
+    holds at its peak. Collective: every rank runs the same trials (FSDP2 gathers and reduces in them); no
+    gradient, buffer or random draw is left behind.
+
+    Args:
+        module: the root of the units, as it trains.
+        batch: the loader's first batch, at least 2 samples.
+        parameters: FSDP2's unsharded parameters while they are (what ``saved_tensor_bytes`` leaves out).
 
     Raises:
         ConfigError: the batch has fewer than 2 samples, or the trial cannot run the model on it.
@@ -144,14 +167,18 @@ def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[
     sizes = (2, 4) if size >= 4 else (1, 2)
     device = next(module.parameters()).device
     buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
-    saved = []
+
+    def trial(samples: int) -> int:
+        args, kwargs = trial_input(batch, samples, device)
+        saved, output = saved_tensor_bytes(functools.partial(module, *args, **kwargs), parameters)
+        trial_loss(output).backward()
+        for parameter in module.parameters():
+            parameter.grad = None
+        return saved
+
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for samples in sizes:
-                args, kwargs = trial_input(batch, samples, device)
-                count, output = saved_tensor_bytes(functools.partial(module, *args, **kwargs), parameters)
-                output_sum(output).backward()
-                saved.append(count)
+            return per_sample_bytes(trial, sizes)
     except Exception as error:  # the batch, the model or the memory
         reason = (str(error).splitlines() or [""])[0]
         raise ConfigError(f"could not probe the activations on the loader's first batch ({type(error).__name__}: "
@@ -162,7 +189,6 @@ def probe_activation_bytes(module: nn.Module, batch: Any, parameters: Callable[[
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    return max(saved[1] - saved[0], 0) / (sizes[1] - sizes[0])
 
 
 def _leaves(batch: Any) -> list[Any]:

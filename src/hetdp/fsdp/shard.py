@@ -26,6 +26,7 @@ from hetdp.cluster.emulate import Emulation
 from hetdp.data.loader import AllocatedLoader
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
+from hetdp.floor import check_sharded
 from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
 from hetdp.sync.base import LossConvention
 from hetdp.sync.policy import SyncPolicy
@@ -52,6 +53,8 @@ class ShardedModule:
 
         ``max_batch`` None (and ``"measure"``): each rank's cap comes from its memory once its shard is placed, on
         CUDA and under ``hetdp run --devices`` (a device table's memory fields); numbers are taken as given.
+        ``accumulates=True`` also says the loop lets gradients wait (``set_requires_gradient_sync(False)``): the
+        caps then count FSDP2's unsharded gradients, which it keeps meanwhile.
         ``own_data`` does not map: each rank holds a shard of one model that every rank trains on every step.
 
         Raises:
@@ -206,6 +209,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
     Returns:
         What torch's ``fully_shard`` returns: the module(s), now FSDP modules with the drop-in's surface.
 
+    Raises:
+        ConfigError: a torch whose FSDP2 lacks a method the drop-in calls (``hetdp.floor.check_sharded``), a bad
+            setting, or a module with names of its own that the drop-in would hide, before anything is sharded.
+
     Examples:
         >>> # on every rank, launched with `hetdp run -n 4 --speeds 1,1,2,4 train.py` or torchrun
         >>> from hetdp import fully_shard                         # was: from torch.distributed.fsdp import ...
@@ -219,6 +226,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
         ...         ...                                              # the loop, clipping, optimizer: unchanged
         ...     print(model.last_epoch.diagnosis())
     """
+    check_sharded()
     settings = DropInSettings(allocation=allocation, sync=sync, step_timeout_s=step_timeout_s, metrics=metrics,
                               emulation=emulation, loss=loss)
     for each in module if isinstance(module, list) else [module]:

@@ -14,11 +14,14 @@ from hetdp.allocate.policy import AllocationPolicy
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import MetricsConfig
+from hetdp.floor import check_framework
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import accelerate
+
+    check_framework("accelerate", accelerate.__version__, user="hetdp.integrations.accelerate")
     from accelerate.data_loader import DataLoaderStateMixin
     from accelerate.state import GradientState
     from accelerate.utils import DDPCommunicationHookType, DistributedType, send_to_device

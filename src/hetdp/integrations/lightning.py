@@ -22,12 +22,15 @@ from hetdp.allocate.policy import AllocationPolicy
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig
+from hetdp.floor import check_framework
 from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import lightning.pytorch as pl
+
+    check_framework("lightning", pl.__version__, user="hetdp.integrations.lightning")
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -279,7 +282,7 @@ class _Steps(Callback):
             return
         ticket = self.strategy.loader.begin_batch()
         if ticket.samples == 0 and trainer._results is not None:
-            # self.log weighs epoch means by the batch's size: a one-sample stand-in (weighted 0 in the gradient)
+            # self.log weighs epoch means by the batch's size: a stand-in batch (weighted 0 in the gradient)
             # counts for nothing there either.
             trainer._results.batch_size = 0
 

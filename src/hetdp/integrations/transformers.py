@@ -12,12 +12,15 @@ import torch
 from hetdp.allocate.policy import AllocationPolicy
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import MetricsConfig
+from hetdp.floor import check_framework
 from hetdp.integrations.accelerate import Accelerator, AllocatedDataLoader
 from hetdp.integrations.steps import LoopLoader
 from hetdp.sync.policy import SyncPolicy
 
 try:
     import transformers
+
+    check_framework("transformers", transformers.__version__, user="hetdp.integrations.transformers")
     from transformers import TrainerCallback
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ConfigError("hetdp.integrations.transformers needs Hugging Face transformers: "
@@ -38,8 +41,8 @@ class Trainer(transformers.Trainer):
     With ``average_tokens_across_devices`` (the default) the Trainer already
     divides each rank's loss by the step's token count over all ranks, and scales
     it by the number of ranks to undo DDP's mean: those steps are weighed as plain
-    DDP weighs them, not by the ranks' shares again, and a rank's one-sample
-    stand-in batch (the epoch's last step, fewer samples than ranks) adds neither
+    DDP weighs them, not by the ranks' shares again, and a rank's stand-in
+    batch (the epoch's last step, fewer samples than ranks) adds neither
     tokens nor gradient. Otherwise each rank's loss is the mean over its own batch
     and is weighed by its samples, as ``hetdp.DDP`` does.
 

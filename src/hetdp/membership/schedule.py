@@ -4,9 +4,11 @@ A rank that sits out keeps running the user's loop, one stand-in batch per step
 (no share), but leaves the step's gradient exchange: the members sum among
 themselves (nothing when one rank is left). Its steps must cost the members
 nothing: they share the machine's cores, the bus and the host with it. So its
-forward runs the module on the stand-in without gradients, in eval mode, and skips
-torch DDP's own forward (``StandIn``): its backward then computes nothing and
-exchanges nothing. Its replica falls behind; it is brought current (parameters,
+forward runs the module on the stand-in without gradients, in the module's own mode
+with nothing that persists changed, and skips torch DDP's own forward (``StandIn``):
+its backward then computes nothing and exchanges nothing. A module with a
+``SyncBatchNorm`` never sits out: that layer meets every rank in every forward and
+backward (``hetdp.ddp.seams``). Its replica falls behind; it is brought current (parameters,
 buffers and the state of the optimizers over them, from a member) before it
 rejoins, at each epoch's end and before a checkpoint, so that whatever the loop
 reads there is the model every member holds.

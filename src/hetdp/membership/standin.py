@@ -1,6 +1,7 @@
 """The steps of a rank with no sample in them: training steps that weigh nothing. A stand-in runs in the module's own
-mode and changes nothing that persists (buffers, the random streams); a rank that sits out runs it without gradients,
-with a backward that only zeroes the gradients."""
+mode and changes nothing that persists (buffers, the random streams) nor, through a ``SyncBatchNorm``, the other
+ranks' statistics and gradients; a rank that sits out runs it without gradients, with a backward that only zeroes
+the gradients."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 
 def stand_in_samples(module: nn.Module) -> int:
@@ -23,13 +25,48 @@ def stand_in_samples(module: nn.Module) -> int:
     return 2 if any(isinstance(m, _BatchNorm) and m.training for m in module.modules()) else 1
 
 
+def synchronizes_batches(module: nn.Module) -> bool:
+    """Whether ``module`` holds a ``SyncBatchNorm``: its forward and backward are collectives of every rank."""
+    return any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+
+
+class _NoSample:
+    """A stand-in's ``SyncBatchNorm``: it takes part in the layer's collectives as a rank with an empty batch, which
+    torch's ``SyncBatchNorm`` function leaves out of the batch statistics (a count of 0, masked out of the all-gather)
+    and adds nothing to the gradient's sums (its backward all-reduces zeros), and normalises the stand-in's own
+    samples by their own statistics, so that its output has the shape a training step's has."""
+
+    def __init__(self, layer: nn.SyncBatchNorm) -> None:
+        self._inputs: list[torch.Tensor] = []
+        # Its own output computed first among the forward hooks: before a unit's FSDP2 hook reshards its parameters.
+        self.handles = [layer.register_forward_pre_hook(self._empty),
+                        layer.register_forward_hook(self._own, prepend=True)]
+
+    def _empty(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        self._inputs.append(args[0])
+        empty = args[0][:0]
+        # torch gathers a batch's statistics in their accumulate type (float32 for AMP's half or bfloat16 batch) but
+        # an empty batch's in its own: the ranks' buffers must match in size, so the empty batch is float32 there.
+        return (empty.float() if empty.dtype in (torch.float16, torch.bfloat16) else empty, *args[1:])
+
+    def _own(self, layer: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        own = nn.functional.batch_norm(self._inputs.pop(), None, None, layer.weight, layer.bias, True, 0.0,
+                                       layer.eps)  # type: ignore[arg-type]
+        return own + output.sum()  # 0, tied to the empty batch's node: its backward joins the layer's all-reduce
+
+
 def kept_state(module: nn.Module) -> Callable[[], None]:
     """Let a stand-in forward of ``module`` change nothing that persists, and return what ends it: every buffer
-    (BatchNorm's running statistics and ``num_batches_tracked``) is swapped for a copy the forward may change, and
-    torch's CPU and CUDA random states are put back, so that its dropout draws nothing from the rank's stream.
+    (BatchNorm's running statistics and ``num_batches_tracked``) is swapped for a copy the forward may change,
+    torch's CPU and CUDA random states are put back, so that its dropout draws nothing from the rank's stream, and
+    every ``SyncBatchNorm`` that trains joins its collectives with no sample (``_NoSample``), so that the others'
+    statistics and gradients count none of the stand-in's.
 
     Copies, not a write-back: a training forward's backward may read the buffers it was given (BatchNorm's does),
     and a write-back would change them under it."""
+    handles: list[RemovableHandle] = [handle for m in module.modules()
+                                      if isinstance(m, nn.SyncBatchNorm) and m.training
+                                      for handle in _NoSample(m).handles]
     owned = [(m, name, buffer) for m in module.modules() for name, buffer in m._buffers.items() if buffer is not None]
     copies: dict[int, torch.Tensor] = {}
     for m, name, buffer in owned:
@@ -40,6 +77,8 @@ def kept_state(module: nn.Module) -> Callable[[], None]:
     cuda = [torch.cuda.get_rng_state(device) for device in devices]
 
     def restore() -> None:
+        for handle in handles:
+            handle.remove()
         for m, name, buffer in owned:
             m._buffers[name] = buffer
         torch.set_rng_state(cpu)

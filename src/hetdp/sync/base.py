@@ -33,6 +33,17 @@ def check_loss(loss: object) -> LossConvention:
     return loss  # type: ignore[return-value]
 
 
+def batch_statistics_mix(module: nn.Module, loss: LossConvention) -> str | None:
+    """Why ``module`` under ``loss`` is not exact at unequal shares, or None. A ``SyncBatchNorm``'s backward sums the
+    gradients of its output over the ranks before the drop-in weighs them: exact where each sample's loss has one
+    scale on every rank (a sum, a global mean), not where each rank's is the mean over its own share (1 / samples)."""
+    if loss != "mean" or not any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        return None
+    return ("a SyncBatchNorm sums the ranks' gradients before they are weighed, so under loss='mean' (each rank's "
+            "loss the mean over its own share) unequal shares give another gradient than one process: divide each "
+            "rank's summed loss by the equal share (global batch / ranks) and pass loss='sum'")
+
+
 def step_part(loss: LossConvention, samples: float, total: float, world_size: int) -> tuple[float, float]:
     """(this rank's part, the step's whole) a rank's gradient is weighed by, for a rank with ``samples`` of the
     step's ``total`` (its cost, where cost-balanced) under the loss convention ``loss``: its part of the step for a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -38,13 +39,14 @@ def policy(name: str, weights: tuple[float, ...] | None = None, replan_every: in
 
 def train(allocation, size: int, epochs: range, *, global_batch: int = 12, largest: int | None = None,
           max_batch=None, seed: int = 0, emulation=None, checkpoint: Path | None = None, init_seed: int = 0,
-          wide: int = 0):
-    """The user's loop over the drop-in: shares of ``global_batch``, run as micro-batches of at most ``largest``."""
+          wide: int = 0, accumulates: bool = True):
+    """The user's loop over the drop-in: shares of ``global_batch``, run as micro-batches of at most ``largest``
+    (``max_batch``'s, where given); with ``accumulates=False`` the caps bound the shares."""
     module = make_model(init_seed, wide)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
     model = hetdp.DDP(module, allocation, "allreduce", emulation=emulation)
     loader = model.allocate(tensor_loader(make_dataset(size), global_batch), global_batch=global_batch, shuffle=True,
-                            seed=seed, max_batch=max_batch, accumulates=True)
+                            seed=seed, max_batch=max_batch, accumulates=accumulates)
     saver = model.checkpointer(checkpoint, optimizer) if checkpoint is not None else None
     if saver is not None and epochs.start:
         # Only rank 0 has the folder (no shared filesystem): it reads and broadcasts.
@@ -91,10 +93,18 @@ def main() -> None:
     straight, _ = train(resumable, 40, range(2), largest=4, seed=5)
     folder = out / "ckpt" if rank == 0 else out / f"only-on-rank-0-{rank}"
     train(resumable, 40, range(1), largest=4, seed=5, checkpoint=folder)
+    capped_folder = out / "ckpt-capped" if rank == 0 else out / f"only-on-rank-0-capped-{rank}"
+    if rank == 0:
+        shutil.copytree(folder, capped_folder)
     resumed, _ = train(resumable, 40, range(1, 2), largest=4, seed=5, checkpoint=folder, init_seed=123)
+    # The same save resumed where every rank's memory holds 4 samples a forward: its shares 6, 2, 4 do not fit.
+    capped, capped_reports = train(resumable, 40, range(1, 2), seed=5, checkpoint=capped_folder, init_seed=123,
+                                   max_batch=(4, 4, 4), accumulates=False)
+    results["capped_resume"] = {"shares": capped_reports[0].shares, "caps": capped.allocator.caps}
     if rank == 0:
         torch.save(straight.module.state_dict(), out / "straight.pt")
         torch.save(resumed.module.state_dict(), out / "resumed.pt")
+        torch.save(capped.module.state_dict(), out / "capped.pt")
 
     # Adaptive: emulated speeds 1, 2, 4 with a synthetic per-sample cost; re-plan every 2 steps.
     emulation = hetdp.Emulation(speeds=(1.0, 2.0, 4.0), sample_cost_ms=3.0)

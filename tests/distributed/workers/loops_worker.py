@@ -66,8 +66,9 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor], convention: str, s
 
 
 def train(model: nn.Module, loader, optimizer: torch.optim.Optimizer, *, epochs: int = 2, depth: int = 0,
-          convention: str = "mean", schedule: bool = False) -> list[int]:
-    """The user's loop; returns the count of epoch reports right after each epoch's for loop."""
+          convention: str = "mean", schedule: bool = False, seen: list | None = None) -> list[int]:
+    """The user's loop; returns the count of epoch reports right after each epoch's for loop. ``seen`` gets each
+    batch's size and ``model.step_samples`` as the loop body reads it, before the forward."""
     scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * len(loader))
                  if schedule else None)
     reports = []
@@ -75,6 +76,8 @@ def train(model: nn.Module, loader, optimizer: torch.optim.Optimizer, *, epochs:
         loader.sampler.set_epoch(epoch)
         for batch in ahead(loader, depth) if depth else loader:
             optimizer.zero_grad()
+            if seen is not None:
+                seen.append([len(batch["y"]), model.step_samples])
             loss_of(model, batch, convention, model.step_samples).backward()
             if schedule:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -91,11 +94,13 @@ def loader_for(size: int, batch_size: int) -> DataLoader:
 
 
 def trained(model, loader, optimizer: torch.optim.Optimizer, **options) -> dict:
-    """``train``, and what the test checks: the steps' blocks, the epochs' samples and hetdp's warnings."""
+    """``train``, and what the test checks: the steps' blocks, what the loop body saw of each batch, the epochs'
+    samples and hetdp's warnings."""
+    seen: list = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reports = train(model, loader, optimizer, **options)
-    return {"reports": reports, "blocks": [f.shares for f in model.step_figures],
+        reports = train(model, loader, optimizer, seen=seen, **options)
+    return {"reports": reports, "blocks": [f.shares for f in model.step_figures], "seen": seen,
             "samples": [r.samples for r in model.epoch_reports], "steps": len(model.step_figures),
             "warnings": [str(w.message) for w in caught if "hetdp" in str(w.message)]}
 

@@ -3,13 +3,16 @@ refused in one line (one rank; the distributed behaviour is tests/distributed/te
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
-from hetdp import ConfigError, fully_shard
+from hetdp import ConfigError, Emulation, fully_shard
+from hetdp.cluster.devices import DeviceModel
 from hetdp.fsdp.shard import ShardedModule
 
 
@@ -78,3 +81,59 @@ def test_a_module_whose_own_names_the_drop_in_would_hide_is_refused_before_it_is
     with pytest.raises(ConfigError, match="adds shares to Counting, which has its own"):
         fully_shard(module)
     assert not isinstance(module, FSDPModule)
+
+
+def _capped(memory_mb: float) -> nn.Sequential:
+    """A model whose gradients outweigh what a sample adds, on an emulated device of ``memory_mb`` whose table gives
+    no activations (the drop-in probes them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 512), nn.Tanh(), nn.Linear(512, 2))
+    fully_shard(model[0])
+    devices = (DeviceModel(memory_mb=memory_mb),)
+    return fully_shard(model, allocation="equal", emulation=Emulation(sample_cost_ms=0.01, devices=devices))
+
+
+def test_a_loop_that_accumulates_is_capped_with_fsdp2_s_unsharded_gradients_counted(one_rank):
+    plain, accumulating = _capped(0.2), _capped(0.2)
+    plain.allocate(_loader(), global_batch=8)
+    accumulating.allocate(_loader(), global_batch=8, accumulates=True)
+    held, per_sample = plain.drop_in.footprint, plain.drop_in.activation_bytes_per_sample
+    waiting = accumulating.drop_in.footprint.waiting
+    assert waiting == sum(p.numel() for p in plain.parameters()) * 4  # one rank: its whole gradient, float32
+    assert plain.allocator.caps == [int((0.2e6 - held.held) // per_sample)]
+    # accumulates=True: shares are not capped, each forward is (the piecewise rule's micro-batches)
+    assert accumulating.allocator.chunks == [int((0.2e6 - held.held - waiting) // per_sample)]
+    assert accumulating.allocator.chunks[0] < plain.allocator.caps[0]
+    plain.close()
+    accumulating.close()
+
+
+def test_gradients_that_wait_beyond_a_cap_cut_for_a_loop_that_lets_none_wait_warn_once_with_the_cap(one_rank):
+    model = _capped(0.2)
+    model.allocate(_loader(), global_batch=8)
+    held, per_sample = model.drop_in.footprint, model.drop_in.activation_bytes_per_sample
+    waiting = sum(p.numel() for p in model.parameters()) * 4
+    with pytest.warns(UserWarning, match=rf"rank 0: gradients that wait .* its memory cap of {model.allocator.caps[0]} "
+                                         rf"samples did not count; with them it holds "
+                                         rf"{int((0.2e6 - held.held - waiting) // per_sample)} samples a forward"):
+        model.set_requires_gradient_sync(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.set_requires_gradient_sync(True)
+        model.set_requires_gradient_sync(False)  # once
+    model.close()
+
+
+@pytest.mark.parametrize(("loss", "warns"), [("mean", True), ("sum", False)])
+def test_a_sync_batchnorm_under_a_per_rank_mean_warns_that_unequal_shares_are_not_exact(one_rank, loss, warns):
+    model = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8), nn.Linear(8, 2))
+    fully_shard(model, allocation="equal", loss=loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.allocate(_loader())
+    said = [str(w.message) for w in caught if "SyncBatchNorm" in str(w.message)]
+    assert said == (["hetdp.fully_shard: a SyncBatchNorm sums the ranks' gradients before they are weighed, so under "
+                     "loss='mean' (each rank's loss the mean over its own share) unequal shares give another gradient "
+                     "than one process: divide each rank's summed loss by the equal share (global batch / ranks) and "
+                     "pass loss='sum'"] if warns else [])
+    model.close()
