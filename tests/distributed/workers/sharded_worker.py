@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import hetdp
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.memory import saved_tensor_bytes
-from hetdp.data.steps import StepSampler
+from torch_order import global_batches as torch_global_batches
 
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 2, 2, 8
 SIZE, BATCH, SEED = 66, 4, 3
@@ -268,15 +268,11 @@ def checkpoints_scenario(out: Path, rank: int) -> dict:
 
 
 def global_batches(epochs: int, size: int = SIZE, global_batch: int = 16):
-    """The steps' global batches in the ranks' order (the allocated loader's: the DistributedSampler's seed)."""
+    """The steps' global batches in the order of the ranks' ``DistributedSampler(seed=SEED)``, drawn by torch."""
     data = sequences(size).tensors[0]
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=SEED,
-                          drop_last=False)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        for first in range(0, size, global_batch):
-            yield data[torch.tensor(order[first : first + global_batch])]
+        for index in torch_global_batches(size, global_batch, SEED, epoch):
+            yield data[index]
 
 
 def caps_scenario() -> dict:
