@@ -1,5 +1,7 @@
 """`hetdp run` launches a user's script on N ranks with the emulation reaching every rank."""
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,8 @@ from hetdp.bench.models import ConvNet
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from torch_order import global_batches  # noqa: E402
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "allocation_train.py"
+EXAMPLES = Path(__file__).parents[2] / "examples"
+EXAMPLE = EXAMPLES / "allocation_train.py"
 RESUME_ATOL = 1e-5
 """The resumed example against one process: 46 steps of SGD with momentum whose sums ran in another order (unequal
 shares, micro-batches of 16) than one process's."""
@@ -113,8 +116,19 @@ def test_an_allocated_loader_left_unused_warns_once_what_the_model_does_instead(
     assert len([line for line in completed.stderr.splitlines() if "did nothing" in line]) == 1
 
 
-def test_an_allocated_loader_in_use_warns_of_nothing(tmp_path, hetdp_run):
-    body = DROPPED_ALLOCATE_SCRIPT.replace("{allocate}", "loader = model.allocate(loader)")
-    completed = run_script(hetdp_run, tmp_path, body)
+def test_the_adopted_ddp_script_warns_of_nothing_and_prints_its_shares_and_straggler(hetdp_run):
+    # The README's example, its allocated loader in use, on ranks of speeds 1 and 3: the shares (64 a step, 32 a
+    # rank's batch) go to the fast rank, and the first epoch, begun at equal shares, names the slow rank 0.
+    completed = hetdp_run("-n", 2, "--speeds", "1,3", "--sample-cost-ms", 4, "--sync", "allreduce",
+                          EXAMPLES / "adopt_ddp.py", "--size", 512, "--epochs", 2)
     assert completed.returncode == 0, completed.stderr
     assert "did nothing" not in completed.stderr and "outside any step" not in completed.stderr
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) == 5, completed.stdout
+    for epoch, line in enumerate(lines[0:4:2]):
+        found = re.fullmatch(rf"epoch {epoch}: loss (\d+\.\d{{4}}), shares \[(\d+), (\d+)\]", line)
+        assert found and math.isfinite(float(found.group(1))), line
+        slow, fast = int(found.group(2)), int(found.group(3))
+        assert slow + fast == 64 and slow < fast, line
+    assert lines[1].startswith("rank 0 is the straggler, by compute: "), lines[1]
+    assert re.fullmatch(r"trained 2 epochs in \d+\.\d\d s", lines[4]), lines[4]
