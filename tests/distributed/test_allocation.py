@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from hetdp import apportion
-from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from allocation_worker import WIDE, make_dataset, make_model  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 WEIGHTS = (1.0, 2.0, 3.0)
 
@@ -30,17 +30,13 @@ def results(tmp_path_factory, torchrun):
 
 
 def reference_parameters(size: int, shares: list[int], epochs: int = 1, wide: int = 0) -> dict[str, torch.Tensor]:
-    """One process, whole global batch per step, mean loss: what unequal ranks must reproduce."""
+    """One process, whole global batch per step (in the order of torch's ``DistributedSampler(seed=0)``), mean loss:
+    what unequal ranks must reproduce."""
     model = make_model(0, wide)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02 if wide else 0.5, momentum=0.9)
     inputs, targets = make_dataset(size).tensors
-    step = sum(shares)
-    sampler = StepSampler(size, step, 0, shares_at=lambda _: shares, shuffle=True, seed=0, drop_last=False)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        for first in range(0, size, step):
-            batch = torch.tensor(order[first : first + step])
+        for batch in global_batches(size, sum(shares), seed=0, epoch=epoch):
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(inputs[batch]), targets[batch]).backward()
             optimizer.step()

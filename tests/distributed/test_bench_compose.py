@@ -8,7 +8,7 @@ from hetdp.bench.compose import PAIRINGS, run
 
 
 def test_repeats_train_at_once_on_groups_of_their_own_from_their_own_seeds():
-    args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=0.2,
+    args = argparse.Namespace(speeds="1,2", straggler_ms=5.0, epochs=1, global_batch=32, sample_cost_ms=2.0,
                               sync_every=0, quorum=None, lr=0.05, momentum=0.9, repeats=2, quick=False, seed=0,
                               seeds=None)
     result = run(args)  # 4 ranks: repeat 0 on ranks 0-1, repeat 1 on ranks 2-3
@@ -21,8 +21,12 @@ def test_repeats_train_at_once_on_groups_of_their_own_from_their_own_seeds():
             assert run_["time_s"] == sorted(run_["time_s"]) and sum(run_["shares"]) == 32, (name, run_)
         # Each repeat from its own initial model and data order: their curves differ.
         assert repeats[0]["accuracy"] != repeats[1]["accuracy"], name
-    # Within a repeat every pairing starts from the same model: both allreduce pairings follow one curve (exact
-    # gradients), whatever their shares.
-    equal, adaptive = result["runs"]["equal+allreduce"], result["runs"]["adaptive+allreduce"]
-    for first, second in zip(equal, adaptive):
-        assert max(abs(a - b) for a, b in zip(first["accuracy"], second["accuracy"])) <= 0.02
+    # Within a repeat every pairing starts from the same model: both allreduce pairings (exact gradients) end with
+    # the same parameters whatever their shares, to rounding. At 2 ms a sample, well above the real compute, the
+    # adaptive shares leave equal ones, which the comparison needs. A weighting of the ranks off by a fraction f of a
+    # step's gradient moves the parameters about f of what training moved them: the bound fails any f above 1/1000.
+    adaptive = result["runs"]["adaptive+allreduce"]
+    assert all(run_["shares"][0] < run_["shares"][1] for run_ in adaptive), adaptive  # speeds 1, 2
+    assert len(result["exact_pairs"]) == 2
+    for pair in result["exact_pairs"]:
+        assert pair["parameter_gap"] <= pair["parameter_moved"] / 1000, pair

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hetdp import apportion
-from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from devices_worker import COST_SHARES, Sequences, make_model, per_sequence_loss, per_token_loss  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,13 @@ def results(tmp_path_factory, torchrun):
 
 
 def reference(loss_fn) -> dict[str, torch.Tensor]:
-    """One process, the whole global step at once, the loss over all of it: what cost-balanced ranks must give."""
+    """One process, the whole global step at once (in the order of torch's ``DistributedSampler(seed=0)``), the loss
+    over all of it: what cost-balanced ranks must give."""
     dataset, model = Sequences(30), make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    sampler = StepSampler(30, 12, 0, shares_at=lambda _: [12], shuffle=True, seed=0, drop_last=False)
-    order = sampler.permutation()
-    for first in range(0, 30, 12):
+    for batch in global_batches(30, 12, seed=0, epoch=0):
         optimizer.zero_grad()
-        loss_fn(model, [dataset[i] for i in order[first : first + 12]]).backward()
+        loss_fn(model, [dataset[i] for i in batch.tolist()]).backward()
         optimizer.step()
     return model.state_dict()
 

@@ -13,10 +13,10 @@ from torch import nn
 
 from hetdp.allocate.policy import MEETING_WINDOW, PLAN_LAG
 from hetdp.cluster.emulate import Emulation
-from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model, make_optimizer, make_tower  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 RANKS = 4
 
@@ -44,22 +44,17 @@ def out(tmp_path_factory, torchrun) -> Path:
 
 def reference(size: int, global_batch: int, epochs: int, kind: str, every: int = 1, tower: bool = False
               ) -> dict[str, torch.Tensor]:
-    """One process on the union of the ranks' batches, with the mean loss over each global batch, ``every`` global
-    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does); ``tower``: the
-    model is fed by ``make_tower``'s."""
+    """One process on the global batches of torch's ``DistributedSampler(seed=3)``, with the mean loss over each,
+    ``every`` global batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does);
+    ``tower``: the model is fed by ``make_tower``'s."""
     model = nn.Sequential(make_tower(7), make_model(7)) if tower else make_model(7)
     optimizer = make_optimizer(model, kind)
     steps = -(-size // global_batch)
     scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps)
                  if kind == "adamw" else None)
     data = Pairs(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=3,
-                          drop_last=False)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        for i, first in enumerate(range(0, size, global_batch)):
-            index = torch.tensor(order[first : first + global_batch])
+        for i, index in enumerate(global_batches(size, global_batch, seed=3, epoch=epoch)):
             (nn.functional.cross_entropy(model(data.x[index]), data.y[index]) / every).backward()
             if (i + 1) % every == 0:
                 if kind == "adamw":

@@ -4,26 +4,39 @@ uninterrupted run ends; a checkpoint resumes on fewer ranks with every sample of
 from __future__ import annotations
 
 import collections
+import sys
 
 import pytest
 import torch
+from torch import nn
 
+from hetdp.cluster.emulate import Emulation
 from hetdp.errors import HetDPError, WorkerError
 from hetdp.launch import run_local
 
 from .conftest import WORKERS
 
+sys.path.insert(0, str(WORKERS))
+from resume_worker import Indexed  # noqa: E402
+from torch_order import global_batches  # noqa: E402
+
 DATASET = 96
+GLOBAL_BATCH = 12
+EPOCHS = 2
 EVERY = 3
+RESUME_ATOL = 1e-5
+"""Parameters after a resize against one process: the sums of 2 or 3 ranks in another order than one process's."""
 
 
-def launch(tmp_path, nproc: int, name: str, *args: object, max_restarts: int = 0, restarts: list | None = None):
+def launch(tmp_path, nproc: int, name: str, *args: object, max_restarts: int = 0, restarts: list | None = None,
+           emulation: Emulation | None = None):
     out = tmp_path / f"{name}.pt"
     argv = ["--ckpt", tmp_path / f"{name}-ckpt", "--record", tmp_path / f"{name}.log", "--out", out,
             "--every", EVERY, *args]
     on_restart = (lambda attempt, code: restarts.append(attempt)) if restarts is not None else None
     completed = run_local(WORKERS / "resume_worker.py", nproc, [str(arg) for arg in argv], capture=True,
-                          timeout_s=120, max_restarts=max_restarts, on_restart=on_restart, report_errors=True)
+                          timeout_s=120, max_restarts=max_restarts, on_restart=on_restart, report_errors=True,
+                          env=None if emulation is None else emulation.to_env())
     return completed, out
 
 
@@ -54,6 +67,35 @@ def steps_of(log_path) -> tuple[dict[int, list[int]], int]:
     return covered, max(redone.values(), default=0)
 
 
+def batches_of(log_path) -> list[list[int]]:
+    """The samples each global step trained, every step as its last launch ran it, in the order of the steps."""
+    last: dict[int, tuple[str, list[int]]] = {}
+    for line in log_path.read_text().splitlines():
+        launch_id, _, step, _, *indices = line.split()
+        held = last.get(int(step))
+        last[int(step)] = (launch_id, (held[1] if held and held[0] == launch_id else []) + list(map(int, indices)))
+    return [sorted(last[step][1]) for step in sorted(last)]
+
+
+def one_process(repeat_step: int | None = None) -> dict[str, torch.Tensor]:
+    """The worker's model without dropout, trained by one process on the global batches of torch's
+    ``DistributedSampler(seed=5)``, each step the mean loss over its batch; ``repeat_step``: that step trained twice
+    (what a resume that redoes a checkpointed step gives)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+    data = Indexed(DATASET)
+    batches = [batch for epoch in range(EPOCHS) for batch in global_batches(DATASET, GLOBAL_BATCH, 5, epoch)]
+    for step, index in enumerate(batches):
+        for _ in range(2 if step == repeat_step else 1):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
+            optimizer.step()
+            scheduler.step()
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
 def ranks_of(log_path) -> list[set[int]]:
     """The ranks that logged steps in each launch, in the order the launches ran."""
     ranks: dict[str, set[int]] = {}
@@ -80,10 +122,15 @@ def test_a_killed_or_hung_worker_is_restarted_and_ends_where_an_uninterrupted_ru
     assert 0 < steps_redone <= EVERY
 
 
-def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once(tmp_path):
+def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once_and_ends_as_one_process(tmp_path):
+    # Without dropout (whose draws no other rank count reproduces), the model trained on 3 ranks, resumed on 2, is
+    # one process's on the same global batches. Emulated speeds unequal on both launches: the adaptive shares leave
+    # equal ones, so that a rank weighed other than by its samples would show.
     with pytest.raises(WorkerError, match=r"^rank 1 died \(signal SIGKILL\); the other ranks were stopped$"):
-        launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive")
-    second, _ = launch(tmp_path, 2, "resize", "--allocation", "adaptive")
+        launch(tmp_path, 3, "resize", "--die-at", 11, "--allocation", "adaptive", "--dropout", 0,
+               emulation=Emulation(speeds=(1.0, 2.0, 3.0), sample_cost_ms=2.0))
+    second, out = launch(tmp_path, 2, "resize", "--allocation", "adaptive", "--dropout", 0,
+                         emulation=Emulation(speeds=(1.0, 3.0), sample_cost_ms=2.0))
     assert second.returncode == 0, second.stdout
     assert "checkpoint of 3 ranks resumed on 2" in second.stdout
     covered, steps_redone = steps_of(tmp_path / "resize.log")
@@ -93,6 +140,15 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_with_each_sample_once(tmp_pa
     # launch that started over would cover every sample too, but redo 10 steps.
     assert 0 < steps_redone <= EVERY
     assert ranks_of(tmp_path / "resize.log")[-1] == {0, 1}
+    expected = [sorted(batch.tolist()) for epoch in range(EPOCHS)
+                for batch in global_batches(DATASET, GLOBAL_BATCH, 5, epoch)]
+    assert batches_of(tmp_path / "resize.log") == expected  # step by step, torch's order, through the resize
+    # The bound: float rounding of sums in another order, far below what one step trained twice moves.
+    reference, redone = one_process(), one_process(repeat_step=9)
+    wrong = max((redone[name] - tensor).abs().max().item() for name, tensor in reference.items())
+    assert RESUME_ATOL < wrong / 100, wrong
+    for name, tensor in torch.load(out).items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=RESUME_ATOL, msg=name)
 
 
 def test_static_weights_for_another_count_of_ranks_is_one_clear_error_and_not_retried(tmp_path):

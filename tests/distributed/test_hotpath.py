@@ -14,11 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp.data.steps import StepSampler
-
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
 from hotpath_worker import make_module  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 
 def run(torchrun, folder: Path, ranks: int) -> list[dict]:
@@ -50,11 +49,8 @@ def test_a_rank_alone_keeps_its_gradients_out_of_torch_ddps_buckets_and_trains_a
     assert set(record["bucketed_steps"]) <= {0}, record["bucketed_steps"]
     model, data = make_module(), Pairs(256)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sampler = StepSampler(256, 16, 0, shares_at=lambda _: [16], shuffle=True, seed=3, drop_last=False)
     for epoch in range(4):
-        sampler.set_epoch(epoch)
-        order = torch.tensor(sampler.permutation())
-        for index in order.split(16):
+        for index in global_batches(256, 16, seed=3, epoch=epoch):  # torch's DistributedSampler(seed=3)
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(data.x[index]), data.y[index]).backward()
             optimizer.step()

@@ -13,10 +13,10 @@ from torch import nn
 
 from hetdp.allocate.sampler import split_step
 from hetdp.cluster.emulate import Emulation
-from hetdp.data.steps import StepSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 # A module's launches run several scenarios each and take their time on a loaded machine: more than the 300 s a test
 # may take by default, its fixtures' launches included. The shares they reach follow measured times, which other
@@ -42,7 +42,7 @@ def launch(torchrun, worker: str, out: Path, scenarios: list[str], env: dict | N
 
 def reference(size: int, global_batch: int, epochs: int, every: int, total_steps: int | None = None, seed: int = 3,
               bf16: bool = False, rank_means: list[int] | None = None) -> tuple[dict[str, torch.Tensor], float]:
-    """One process on the union of the ranks' batches in the order of sampler seed ``seed``: the mean loss over each
+    """One process on the global batches of torch's ``DistributedSampler(seed=seed)``: the mean loss over each
     global batch, ``every`` batches accumulated per AdamW step (and the epoch's last, as Lightning and Accelerate
     do), clipped at 0.5, a OneCycle schedule of ``total_steps`` if given, the forward under CPU autocast to bfloat16
     if ``bf16``; with ``rank_means`` (shares), the loss is instead the mean of the ranks' mean losses over the blocks
@@ -53,14 +53,10 @@ def reference(size: int, global_batch: int, epochs: int, every: int, total_steps
     scheduler = (None if total_steps is None else
                  torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total_steps))
     data = Pairs(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
-                          drop_last=False)
     steps = math.ceil(size / global_batch)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order, loss_sum = sampler.permutation(), 0.0
-        for i in range(steps):
-            index = torch.tensor(order[i * global_batch : (i + 1) * global_batch])
+        loss_sum = 0.0
+        for i, index in enumerate(global_batches(size, global_batch, seed, epoch)):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 output = model(data.x[index])
             loss_sum += nn.functional.cross_entropy(output, data.y[index], reduction="sum").item()
@@ -260,21 +256,18 @@ def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_
 
 def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool, seed: int
                  ) -> dict[str, torch.Tensor]:
-    """One process on the union of the ranks' batches: per optimizer step, the sum of the token losses of its
-    ``every`` global batches over their token count (transformers' loss normalization, which counts the labels
-    from the second position on where it sees that the loss shifts them: ``shifted``), clipped at 0.5, SGD."""
+    """One process on the global batches of torch's ``DistributedSampler(seed=seed)``: per optimizer step, the sum of
+    the token losses of its ``every`` global batches over their token count (transformers' loss normalization, which
+    counts the labels from the second position on where it sees that the loss shifts them: ``shifted``), clipped at
+    0.5, SGD."""
     from transformers_worker import Tokens, make_lm
 
     model = make_lm(7)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     data = Tokens(size)
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
-                          drop_last=False)
     steps = math.ceil(size / global_batch)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        batches = [torch.tensor(order[i * global_batch : (i + 1) * global_batch]) for i in range(steps)]
+        batches = global_batches(size, global_batch, seed, epoch)
         for first in range(0, steps, every):
             update = batches[first : first + every]
             tokens = sum(int((data.labels[index][:, int(shifted) :] != -100).sum()) for index in update)

@@ -11,11 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from hetdp.data.steps import StepSampler
-
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs  # noqa: E402
 from sitout_worker import ACCUMULATE, EPOCHS, GLOBAL_BATCH, RESTORED_MEMBERS, SAVED_AT, SIZE, make_wide_model  # noqa: E402
+from torch_order import global_batches  # noqa: E402
 
 RANKS = 4
 CHANGE_AT = 22
@@ -43,19 +42,15 @@ def load(out: Path, name: str = "sitout") -> list[dict]:
 
 @functools.cache
 def reference(every: int = 1) -> dict[str, torch.Tensor]:
-    """One process on the same global batches, the mean loss over each, ``every`` of them accumulated per optimizer
-    step (and the epoch's last)."""
+    """One process on the global batches of torch's ``DistributedSampler(seed=3)``, the mean loss over each, ``every``
+    of them accumulated per optimizer step (and the epoch's last)."""
     model = make_wide_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = Pairs(SIZE)
-    sampler = StepSampler(SIZE, GLOBAL_BATCH, 0, shares_at=lambda _: [GLOBAL_BATCH], shuffle=True, seed=3,
-                          drop_last=False)
     for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        steps = -(-SIZE // GLOBAL_BATCH)
-        for i in range(steps):
-            index = torch.tensor(order[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
+        batches = global_batches(SIZE, GLOBAL_BATCH, seed=3, epoch=epoch)
+        steps = len(batches)
+        for i, index in enumerate(batches):
             if i % every == 0:
                 optimizer.zero_grad()
             (nn.functional.cross_entropy(model(data.x[index]), data.y[index]) / every).backward()

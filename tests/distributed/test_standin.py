@@ -15,8 +15,7 @@ from torch import nn
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
 from standin_worker import BATCH, EPOCHS, SEED, SIZE, dataset, loss_of, make  # noqa: E402
-
-from hetdp.data.steps import StepSampler  # noqa: E402
+from torch_order import epoch_order  # noqa: E402
 
 RANKS = 4
 SCENARIOS = ("aux_ddp", "aux_sitout", "moe_ddp", "aux_sharded", "moe_sharded")
@@ -36,19 +35,16 @@ def records(out: Path, scenario: str) -> list[dict]:
 
 
 def reference(kind: str, blocks: list[list[int]], chain_of: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """One process on the same global batches: each step's gradient the sample-weighted sum of the per-rank mean
-    losses' over each rank's block (a BatchNorm normalizes by each rank's own batch), and the buffers rank
-    ``chain_of`` holds: updated by its real samples only."""
+    """One process on the global batches of torch's ``DistributedSampler(seed=SEED)``: each step's gradient the
+    sample-weighted sum of the per-rank mean losses' over each rank's block (a BatchNorm normalizes by each rank's own
+    batch), and the buffers rank ``chain_of`` holds: updated by its real samples only."""
     model = make(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = dataset().tensors
-    sampler = StepSampler(SIZE, BATCH * RANKS, 0, shares_at=lambda _: [BATCH * RANKS], shuffle=True, seed=SEED,
-                          drop_last=False)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     steps = iter(blocks)
     for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
+        order = epoch_order(SIZE, SEED, epoch)
         for first in range(0, SIZE, BATCH * RANKS):
             block = next(steps)
             total, offset = sum(block), first

@@ -23,11 +23,16 @@ def _run(first_good: int | None, seconds_per_snapshot: float, samples_per_s: flo
             "shares": [16, 16, 16, 16], "samples_per_s": samples_per_s}
 
 
+EXACT_PAIRS = [{"parameter_gap": 3e-7, "parameter_moved": 0.5}, {"parameter_gap": 5e-7, "parameter_moved": 0.4}]
+"""Per repeat: how far apart the synchronous pairings end, and how far training moved them."""
+
+
 def _raw(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
     """Two repeats per pairing: the first at 1 s per snapshot, the second at 2 s."""
     return {"settings": {"straggler_ms": 100.0, "global_batch": 64, "epochs": 4, "lr": 0.05, "momentum": 0.9},
             "runs": {name: [_run(first_good[name][0], 1.0, 100.0), _run(first_good[name][1], 2.0, 200.0)]
-                     for name in first_good}}
+                     for name in first_good},
+            "exact_pairs": EXACT_PAIRS}
 
 
 def _figures(first_good: dict[str, tuple[int | None, int | None]]) -> dict:
@@ -63,6 +68,17 @@ def test_accuracy_drop_and_throughput_are_means_over_the_repeats():
     assert result["train_s"]["adaptive+majority"] == pytest.approx(1.5 * SNAPSHOTS)
 
 
+def test_the_synchronous_pairings_are_compared_on_parameters_at_their_worst_repeat():
+    result = _figures(BASE)
+    assert result["exact_pairs"] == EXACT_PAIRS
+    assert result["parameter_gap"] == 5e-7 and result["parameter_moved"] == 0.4
+    assert ("equal+allreduce and adaptive+allreduce (exact gradients, their own shares) end at most 5.0e-07 apart in "
+            "any parameter, which training moved by at least 0.40") in render(result)
+    seeds = _two_seeds(BASE)
+    assert [figures["parameter_gap"] for figures in seeds["per_seed"]] == [3e-7, 5e-7]
+    assert seeds["parameter_gap"] == 5e-7 and "at most 5.0e-07 apart" in render(seeds)
+
+
 def test_no_speedup_when_the_composed_pairing_never_reaches_the_target():
     result = _figures({**BASE, "adaptive+majority": (1, None)})
     assert result["speedup_vs_best_single_axis"] is None
@@ -73,6 +89,7 @@ def test_no_speedup_when_the_composed_pairing_never_reaches_the_target():
 def test_one_run_reports_its_figures_once():
     raw = _raw(BASE)
     raw["runs"] = {name: repeats[:1] for name, repeats in raw["runs"].items()}
+    raw["exact_pairs"] = raw["exact_pairs"][:1]
     result = summarize(raw, (1.0, 1.0, 2.0, 4.0), quorum=2)
     assert result["repeats"] == 1
     assert result["per_repeat"]["speedup_vs_best_single_axis"] == [result["speedup_vs_best_single_axis"]]

@@ -1,7 +1,8 @@
 """The guide's code runs, and the API reference covers the public API.
 
 A ```python block under a ``<!-- test: python -->`` line runs in this process from the repository root; one under
-``<!-- test: torchrun N -->`` runs as a script on N local ranks, launched as users launch. The strict site build
+``<!-- test: torchrun N -->`` runs as a script on N local ranks, launched as users launch. Each asserts what it prints
+or computes: an example that only runs would pass by not raising. The strict site build
 (``mkdocs build --strict`` in ``make test``) checks the rest: links, and that every ``::: hetdp.NAME`` exists.
 The command-line page (docs/reference/cli.md) lists every command and flag of the parsers, and no other; the
 package's docstrings use the Google sections the reference renders, not reStructuredText.
@@ -10,6 +11,7 @@ package's docstrings use the Google sections the reference renders, not reStruct
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -38,6 +40,11 @@ def _examples(kind: str) -> list[pytest.param]:
 
 def test_the_guide_has_examples_of_both_kinds():
     assert len(_examples("python")) >= 5 and _examples("torchrun")
+
+
+@pytest.mark.parametrize(("how", "code"), _examples("python") + _examples("torchrun"))
+def test_every_example_asserts_what_it_prints_or_computes(how, code):
+    assert any(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(code)))
 
 
 @pytest.mark.parametrize(("how", "code"), _examples("python"))

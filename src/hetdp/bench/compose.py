@@ -11,7 +11,11 @@ adaptive + majority and adaptive + quorum.
 Figures: the time to accuracy, the training time until rank 0's model first
 reaches the final accuracy of the synchronous run (equal + allreduce) less one
 point, and the steps it took; samples per second, which flatters the stale
-modes; and the final accuracies. ``speedup_vs_best_single_axis`` is how much
+modes; and the final accuracies. The two synchronous pairings train with exact
+gradients from one model on the same global batches, so whatever their shares
+they end with the same parameters, to float rounding: each repeat reports how
+far apart they end (``exact_pairs``: ``parameter_gap``) beside how far training
+moved them (``parameter_moved``). ``speedup_vs_best_single_axis`` is how much
 sooner adaptive + majority gets there than the better of adaptive + allreduce
 and equal + majority: its pace up to the target (steps per second) over that
 pairing's, divided by the ratio of their steps, since stale gradients buy pace
@@ -177,6 +181,7 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
     curves of the repeats; each repeat's own speedup and accuracy drop beside them."""
     runs = {_name(a, s, quorum): raw["runs"][f"{a}+{s}"] for a, s in PAIRINGS}
     count = len(next(iter(runs.values())))
+    exact = raw["exact_pairs"]
     mean = _figures({name: _mean_curve(repeats) for name, repeats in runs.items()})
     by_run = [_figures({name: (repeats[i]["time_s"], repeats[i]["accuracy"], repeats[i]["steps"])
                         for name, repeats in runs.items()}) for i in range(count)]
@@ -191,6 +196,9 @@ def summarize(raw: dict[str, Any], speeds: tuple[float, ...], quorum: int) -> di
         "final_shares": {name: repeats[-1]["shares"] for name, repeats in runs.items()},
         "per_repeat": {key: [figures[key] for figures in by_run]
                        for key in ("speedup_vs_best_single_axis", "accuracy_drop_points")},
+        "exact_pairs": exact,
+        "parameter_gap": max(pair["parameter_gap"] for pair in exact),
+        "parameter_moved": min(pair["parameter_moved"] for pair in exact),
         "targets": {"speedup_vs_best_single_axis": 1.2, "accuracy_drop_points": 1.0},
         "settings": raw["settings"],
         "runs": runs,
@@ -219,7 +227,9 @@ def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[flo
     per_seed = []
     for index, seed in enumerate(seeds):
         own = {name: runs[index * repeats : (index + 1) * repeats] for name, runs in raw["runs"].items()}
-        figures = summarize({"settings": raw["settings"], "runs": own}, speeds, quorum)
+        figures = summarize({"settings": raw["settings"], "runs": own,
+                             "exact_pairs": raw["exact_pairs"][index * repeats : (index + 1) * repeats]},
+                            speeds, quorum)
         per_seed.append({"seed": seed, **{key: figures[key] for key in SEED_FIGURES}})
     pooled = summarize(raw, speeds, quorum)
     speedup, drop = pooled["speedup_vs_best_single_axis"], pooled["accuracy_drop_points"]
@@ -233,7 +243,8 @@ def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[flo
         "mean_speedup_vs_best_single_axis": speedup,
         "mean_accuracy_drop_points": drop,
         **{key: pooled[key] for key in ("best_single_axis", "target_accuracy", "time_to_accuracy_s",
-                                         "steps_to_accuracy", "final_accuracy")},
+                                         "steps_to_accuracy", "final_accuracy", "exact_pairs", "parameter_gap",
+                                         "parameter_moved")},
         "speedup_spread": _spread([value for value in speedups if value is not None]),
         "seeds_without_speedup": [figures["seed"] for figures in per_seed if figures["speedup_vs_best_single_axis"]
                                   is None],
@@ -247,7 +258,8 @@ def summarize_seeds(raw: dict[str, Any], seeds: Sequence[int], speeds: tuple[flo
 
 
 SEED_FIGURES = ("speedup_vs_best_single_axis", "accuracy_drop_points", "best_single_axis", "target_accuracy",
-                "time_to_accuracy_s", "steps_to_accuracy", "final_accuracy", "samples_per_s", "per_repeat")
+                "time_to_accuracy_s", "steps_to_accuracy", "final_accuracy", "samples_per_s", "per_repeat",
+                "parameter_gap")
 """The figures of each seed that ``--seeds`` reports."""
 
 
@@ -321,6 +333,7 @@ def render(result: dict[str, Any]) -> str:
     anatomy = _anatomy(result)
     if anatomy:
         lines.append(anatomy)
+    lines.append(_exactness(result))
     return "\n".join(lines)
 
 
@@ -361,6 +374,7 @@ def _render_seeds(result: dict[str, Any]) -> str:
         + (f", never on seed{'s' if len(without) > 1 else ''} {_listed(without, '')}" if without else "")
         + f"), mean accuracy drop {drop:+.2f} points (target within {targets['mean_accuracy_drop_points']:g}; "
         f"{_range(drop_spread, ' points')}): targets {'met' if result['meets_targets'] else 'not met'}")
+    lines.append(_exactness(result))
     return "\n".join(lines)
 
 
@@ -380,6 +394,13 @@ def _anatomy(result: dict[str, Any]) -> str:
     pace = (steps[both] / tta[both]) / (steps[best] / tta[best])
     return (f"{both} takes {pace:.2f}x the steps per second of {best} up to the target and needs "
             f"{steps[both] / steps[best]:.2f}x its steps: stale gradients buy pace with steps")
+
+
+def _exactness(result: dict[str, Any]) -> str:
+    """How far apart the two synchronous pairings end, against how far training moved them."""
+    equal, adaptive = result["pairings"][:2]
+    return (f"{equal} and {adaptive} (exact gradients, their own shares) end at most {result['parameter_gap']:.1e} "
+            f"apart in any parameter, which training moved by at least {result['parameter_moved']:.2f}")
 
 
 def _listed(values: Sequence[float | None], unit: str) -> str:
@@ -419,15 +440,23 @@ def _worker(argv: list[str]) -> None:
     split = _standardized(load_digits(seed=of_seed))  # one split for every run of a seed: its repeats vary the rest
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms, seed=seed,  # the repeat's own draws
                           straggler_count=1 if args.straggler_ms else 0, straggler_delay_ms=args.straggler_ms)
-    runs = {f"{allocation}+{sync}": _train(args, split, allocation, sync, emulation, groups[group], progress, seed)
-            for allocation, sync in PAIRINGS}
+    runs, finals = {}, {}
+    for allocation, sync in PAIRINGS:
+        name = f"{allocation}+{sync}"
+        runs[name], finals[name] = _train(args, split, allocation, sync, emulation, groups[group], progress, seed)
+    # The synchronous pairings (the first two) train from one model on the same global batches with exact gradients.
+    first, second = (finals[f"{allocation}+{sync}"] for allocation, sync in PAIRINGS[:2])
+    exact = {"parameter_gap": _largest_difference(first, second),
+             "parameter_moved": _largest_difference(first, _copy(_initial_model(seed)))}
     gathered: list[dict[str, Any] | None] = [None] * world_size
-    dist.gather_object(runs if rank % nproc == 0 else None, gathered if rank == 0 else None, group=everyone)
+    mine = {"runs": runs, "exact": exact} if rank % nproc == 0 else None
+    dist.gather_object(mine, gathered if rank == 0 else None, group=everyone)
     if rank == 0:
         settings = {key: value for key, value in vars(args).items() if key != "out"}
-        repeats = [runs_ for runs_ in gathered if runs_ is not None]
+        repeats = [repeat for repeat in gathered if repeat is not None]
         args.out.write_text(json.dumps({"settings": settings,
-                                        "runs": {name: [runs_[name] for runs_ in repeats] for name in runs}}))
+                                        "runs": {name: [repeat["runs"][name] for repeat in repeats] for name in runs},
+                                        "exact_pairs": [repeat["exact"] for repeat in repeats]}))
     dist.destroy_process_group()
 
 
@@ -438,12 +467,23 @@ def group_seeds(group: int, seeds: Sequence[int], repeats: int) -> tuple[int, in
     return of_seed, of_seed * repeats + group % repeats
 
 
-def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,
-           group: dist.ProcessGroup, progress: EventWriter, seed: int) -> dict[str, Any]:
-    """One pairing on ``group`` in a user's loop from ``seed``'s initial model and data order; the group's first
-    rank keeps timed snapshots, evaluated once training is over."""
+def _initial_model(seed: int) -> ConvNet:
+    """The model every pairing of a repeat starts from."""
     torch.manual_seed(seed)
-    net = ConvNet()
+    return ConvNet()
+
+
+def _largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two models' parameters."""
+    return max((first[name] - tensor).abs().max().item() for name, tensor in second.items())
+
+
+def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, emulation: Emulation,
+           group: dist.ProcessGroup, progress: EventWriter, seed: int
+           ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One pairing on ``group`` in a user's loop from ``seed``'s initial model and data order; the group's first
+    rank keeps timed snapshots, evaluated once training is over. Returns the figures and the final parameters."""
+    net = _initial_model(seed)
     spec = (Partial(mode="quorum", quorum=args.quorum, every=args.sync_every) if sync == "quorum" else
             Partial(mode=sync, every=args.sync_every) if sync != "allreduce" else sync_policy(sync))
     policy = allocation_policy(allocation)
@@ -481,8 +521,8 @@ def _train(args: argparse.Namespace, split: Split, allocation: str, sync: str, e
         times.append(seconds)
         trained_steps.append(step)
         accuracies.append(accuracy(net, split.test))
-    return {"time_s": times, "accuracy": accuracies, "steps": trained_steps, "shares": shares,
-            "samples_per_s": steps * args.global_batch / trained_s}
+    return ({"time_s": times, "accuracy": accuracies, "steps": trained_steps, "shares": shares,
+             "samples_per_s": steps * args.global_batch / trained_s}, snapshots[-1][2])
 
 
 def _standardized(split: Split) -> Split:

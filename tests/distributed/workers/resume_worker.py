@@ -1,8 +1,9 @@
 """Worker for tests/distributed/test_faults.py: the drop-in with step checkpoints, killed once and resumed.
 
-The model has dropout, so each rank's random state must come back too. Every rank logs the dataset indices of each step it runs (``--log``); rank 0 saves the final parameters
-(``--out``). ``--die-at S`` sends rank ``--die-rank`` ``--signal`` (KILL: it dies; STOP: it hangs) after S steps
-on the first attempt.
+The model has dropout (``--dropout``, default 0.3), so each rank's random state must come back too; without it, the
+model is one process's on the same global batches. Every rank logs the dataset indices of each step it runs
+(``--record``); rank 0 saves the final parameters (``--out``). ``--die-at S`` sends rank ``--die-rank`` ``--signal``
+(KILL: it dies; STOP: it hangs) after S steps on the first attempt.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def main() -> None:
     parser.add_argument("--step-timeout", type=float, default=60.0)
     parser.add_argument("--allocation", default="equal")
     parser.add_argument("--weights", default="")
+    parser.add_argument("--dropout", type=float, default=0.3)
     args = parser.parse_args()
 
     hetdp.init_distributed("gloo")
     torch.manual_seed(0)
     allocation = hetdp.Static(tuple(float(w) for w in args.weights.split(","))) if args.weights else args.allocation
     # dropout draws from each rank's generator: a resume matches only if the checkpoint brought them back
-    model = hetdp.DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 2)), allocation,
+    model = hetdp.DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(args.dropout), nn.Linear(8, 2)), allocation,
                       step_timeout_s=args.step_timeout)
     loader = model.allocate(DataLoader(Indexed(96), batch_size=4), global_batch=12, shuffle=True, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)

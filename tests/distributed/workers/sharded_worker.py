@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hetdp
 from hetdp.cluster.devices import DeviceModel
-from hetdp.data.steps import StepSampler
 from hetdp.fsdp.memory import probe_activation_bytes
+from torch_order import global_batches as torch_global_batches
 
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 2, 2, 8
 SIZE, BATCH, SEED = 66, 4, 3
@@ -186,26 +186,33 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             torch.save(state, out / "accumulate.pt")
         model.close()
     elif scenario == "mixed":
-        # bf16 parameters, fp32 reduction: against fully_shard of one rank with the same policy on the global batches.
+        # bf16 parameters, fp32 reduction: against fully_shard of one rank with the same policy on the global batches,
+        # and beside it the same one rank trained with plain FSDP2's weighting of these shares (the error the test's
+        # bound is derived from).
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)), mp_policy=policy)
         loader = model.allocate(loader_for(sequences()))
-        train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
+        record["blocks"] = blocks = train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         state = full_state(model)
         model.close()
         mesh = one_rank_mesh()
-        reference = make_model()
-        for block in reference.blocks:
-            torch_fully_shard(block, mesh=mesh, mp_policy=policy)
-        torch_fully_shard(reference, mesh=mesh, mp_policy=policy)
+        references = {}
+        for name, loss in (("reference", lambda model, tokens, _: loss_of(model, tokens)),
+                           ("rank_means", loss_of_rank_means)):
+            reference = make_model()
+            for block in reference.blocks:
+                torch_fully_shard(block, mesh=mesh, mp_policy=policy)
+            torch_fully_shard(reference, mesh=mesh, mp_policy=policy)
+            if rank == 0:
+                optimizer = make_optimizer(reference, "sgd")
+                for tokens, block in zip(global_batches(1), blocks, strict=True):
+                    optimizer.zero_grad()
+                    loss(reference, tokens, block).backward()
+                    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+                    optimizer.step()
+                references[name] = full_state(reference)
         if rank == 0:
-            optimizer = make_optimizer(reference, "sgd")
-            for tokens in global_batches(1):
-                optimizer.zero_grad()
-                loss_of(reference, tokens).backward()
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-                optimizer.step()
-            torch.save({"hetdp": state, "reference": full_state(reference)}, out / "mixed.pt")
+            torch.save({"hetdp": state, **references}, out / "mixed.pt")
     elif scenario == "caps":
         record.update(caps_scenario())
     elif scenario == "adaptive":
@@ -266,16 +273,19 @@ def checkpoints_scenario(out: Path, rank: int) -> dict:
     return {"errors": _every_rank(errors)}
 
 
+def loss_of_rank_means(model: nn.Module, tokens: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """The loss plain FSDP2 trains a step's ``block`` (samples per rank) by: each rank's mean loss, averaged over
+    the ranks (1 / W each, whatever its samples; a rank without samples adds nothing)."""
+    parts = [part for part in tokens.split(block) if len(part)]
+    return torch.stack([loss_of(model, part) for part in parts]).sum() / len(block)
+
+
 def global_batches(epochs: int, size: int = SIZE, global_batch: int = 16):
-    """The steps' global batches in the ranks' order (the allocated loader's: the DistributedSampler's seed)."""
+    """The steps' global batches in the order of the ranks' ``DistributedSampler(seed=SEED)``, drawn by torch."""
     data = sequences(size).tensors[0]
-    sampler = StepSampler(size, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=SEED,
-                          drop_last=False)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
-        for first in range(0, size, global_batch):
-            yield data[torch.tensor(order[first : first + global_batch])]
+        for index in torch_global_batches(size, global_batch, SEED, epoch):
+            yield data[index]
 
 
 def caps_scenario() -> dict:
