@@ -32,7 +32,8 @@ from typing import Any
 import psutil
 
 from hetdp.errors import ConfigError, HetDPError, WorkerError
-from hetdp.nodes import Nodes, this_node
+from hetdp.engines import ENV_NODE
+from hetdp.nodes import Nodes
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
@@ -353,7 +354,7 @@ def first_failure(folder: Path) -> Failure | None:
 def _rank_label(rank: int | str | None = None) -> str:
     """``rank`` (default: this worker's) as a failure names it: with its node in a launch across nodes."""
     rank = os.environ.get("RANK", "0") if rank is None else rank
-    node = this_node()
+    node = os.environ.get(ENV_NODE)
     return f"rank {rank}" if node is None else f"rank {rank} on {node}"
 
 

@@ -10,11 +10,12 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from hetdp import liveness
-from hetdp.engines import placement
+from hetdp.engines import gloo_interface, placement
 from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,24 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
 
     The placement comes from torchrun's (and ``hetdp run``'s), Slurm ``srun``'s or a PyTorchJob's variables
     (``hetdp.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
-    ``MASTER_ADDR``...). Under Ray Train the group already exists. The backend defaults to NCCL when every rank on
-    this machine has a GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated
-    workers share a laptop's GPU). A process already in a group keeps it, so library code may call this freely.
+    ``MASTER_ADDR``...). Under Ray Train the group already exists: Ray's ``TorchConfig`` joins every worker before
+    the training function runs, and this returns Ray's rank and world size. Across nodes, gloo speaks on the
+    interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (``engines.gloo_interface``;
+    hetdp's gloo groups under NCCL use it too). The backend defaults to NCCL when every rank on this machine has a
+    GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated workers share a
+    laptop's GPU). A process already in a group keeps it, so library code may call this freely.
 
     Raises:
-        ConfigError: no engine's variables, or incomplete ones (the message names what is missing).
+        ConfigError: no engine's variables, or incomplete ones (the message names what is missing), or a
+            ``GLOO_SOCKET_IFNAME`` naming an interface this machine lacks.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     place = placement()
     os.environ.update(place.environ())  # torch's env:// initialisation, and code that reads LOCAL_RANK, find them
+    interface = gloo_interface(place, os.environ, psutil.net_if_addrs())
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeouts = timeouts or Timeouts()
     _import_dynamo()
     backend = backend or ("nccl" if gpu_per_local_rank() else "gloo")
