@@ -2,13 +2,14 @@
 
 A launch can follow an event log that rank 0 appends to (progress and measured
 rows, shown as they come), and can take a worker's failure home: one story per
-failure. A worker's ``HetDPError`` is left in a folder as one line, with no
-traceback; any other exception prints its traceback once, on the rank that
-raised it (not on the ranks stopped after it), and the launch ends in one line
-naming that rank, with its exit code, instead of torchrun's tracebacks and
-failure summary. Both travel through environment variables, so the workers
-start exactly as under torchrun. A launch across nodes (``nodes``) runs this
-node's ranks; its failures name each rank's node too (see ``hetdp.nodes``).
+failure. Each worker leaves its failure in the error file torchrun gives it
+(``hetdp.errorfile``): a ``HetDPError`` as one line, with no traceback; any other
+exception with its traceback, which the launch prints once, for the rank whose
+failure started it (not for the ranks stopped after it). The launch then ends in
+one line naming that rank, with its exit code, instead of torchrun's tracebacks
+and failure summary. The workers start exactly as under torchrun. A launch across
+nodes (``nodes``) runs this node's ranks; its failures name each rank's node too
+(see ``hetdp.nodes``).
 """
 
 from __future__ import annotations
@@ -24,23 +25,22 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from hetdp.errors import ConfigError, HetDPError, WorkerError
-from hetdp.engines import ENV_NODE
+from hetdp.errorfile import ERROR_FILE, Report, others_stopped, rank_label, report_of
+from hetdp.errors import HetDPError, WorkerError
 from hetdp.nodes import Nodes
 
 ENV_EVENTS = "HETDP_EVENTS"
 """Path of the event log rank 0 appends JSON lines to (set only when the launch follows events)."""
 ENV_RESTART = "HETDP_RESTART"
-"""Which attempt of a launch with restarts the workers belong to: 0 first, then 1, 2, ..."""
-ENV_ERRORS = "HETDP_ERRORS"
-"""Folder where a worker leaves the message of the HetDPError it stopped on (set only with ``report_errors``)."""
+"""Which attempt of a launch with restarts the workers belong to: 0 first, then 1, 2, ... (each attempt is a fresh
+torchrun, whose ``TORCHELASTIC_RESTART_COUNT`` the worker sets to the same)."""
 POLL_S = 0.2
 """Seconds between two looks at the workers and their event log."""
 SHUTDOWN_S = 5.0
@@ -59,17 +59,18 @@ Event = dict[str, Any]
 
 def torchrun_command(
     target: str | Path, nproc: int, args: Sequence[str] = (), *, module: bool = False, report_errors: bool = False,
-    nodes: Nodes | None = None, attempt: int = 0,
+    nodes: Nodes | None = None, attempt: int = 0, log_dir: Path | None = None,
 ) -> list[str]:
     """The command line that runs ``target`` (a script, or a module if ``module``) on ``nproc`` local ranks, of this
     node's part of a launch across ``nodes`` (None: a one-node launch) in restart ``attempt``.
 
-    With ``report_errors``, torchrun and every worker run under this module, which turns a worker's
-    HetDPError into a report in ``$HETDP_ERRORS`` (see ``run_local``).
+    With ``report_errors``, torchrun and every worker run under this module, which leaves a worker's failure in
+    its error file under ``log_dir`` (torchrun's ``--log-dir``; see ``run_local``).
     """
     runner = ["-m", "hetdp.launch", "torchrun"] if report_errors else ["-m", "torch.distributed.run"]
     where = ["--standalone"] if nodes is None else nodes.torchrun_args(attempt)
-    command = [sys.executable, *runner, *where, f"--nproc-per-node={nproc}"]
+    logs = ["--log-dir", str(log_dir)] if log_dir is not None else []
+    command = [sys.executable, *runner, *where, *logs, f"--nproc-per-node={nproc}"]
     # "--" ends torchrun's options: its parser would otherwise take a script flag that abbreviates one of its own
     # (a script's --signal read as --signals-to-handle).
     if report_errors:
@@ -157,27 +158,26 @@ def _launch_once(
     """One torchrun of ``target``. A worker's failure is raised where no restart can get past it (a ConfigError)
     or none is left (``last``); a timeout raises in ``_wait``."""
     with tempfile.TemporaryDirectory(prefix="hetdp-launch-") as folder:
-        full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ENV_ERRORS)}
+        full_env = {key: value for key, value in os.environ.items() if key not in (ENV_EVENTS, ERROR_FILE)}
         full_env.update(env)  # a launch from inside a worker reports to its own launcher, not to ours
         full_env.setdefault("OMP_NUM_THREADS", "1")
         events = EventReader(Path(folder) / "events.jsonl")
-        errors = Path(folder) / "errors"
+        logs, error_file = Path(folder) / "logs", Path(folder) / "error.json"  # the workers' error files; torchrun's
         if follow is not None:
             full_env[ENV_EVENTS] = str(events.path)
         if report_errors:
-            errors.mkdir()
-            full_env[ENV_ERRORS] = str(errors)
+            full_env[ERROR_FILE] = str(error_file)
             if nodes is not None:
                 full_env[ENV_WORKER_CPP_LOG] = full_env.get("TORCH_CPP_LOG_LEVEL", "")
                 full_env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         command = torchrun_command(target, nproc, args, module=module, report_errors=report_errors, nodes=nodes,
-                                   attempt=attempt)
+                                   attempt=attempt, log_dir=logs if report_errors else None)
         poll = (lambda: follow(events.read())) if follow is not None else (lambda: None)
-        failed = (lambda: any(errors.glob("rank-*.json"))) if report_errors else (lambda: False)
+        failed = (lambda: any(logs.rglob("error.json"))) if report_errors else (lambda: False)
         where = f" of node {nodes.rank}" if nodes is not None else ""
         completed = _wait(command, full_env, timeout_s, capture, poll, failed, f"{target} on {nproc} ranks{where}")
         if completed.returncode != 0 and report_errors:
-            failure = first_failure(errors)
+            failure = first_failure(Report.read(path) for path in [*logs.rglob("error.json"), error_file])
             if failure is not None and (last or not failure.retry):
                 message = failure.message
                 if failure.rank == NO_RANK and nodes is not None:
@@ -299,128 +299,69 @@ class EventReader:
 
 @dataclass(frozen=True)
 class Failure:
-    """The first failure the workers of a launch reported."""
+    """The failure a launch ends in: its first rank's report, with every rank that reported the same."""
 
     message: str
     """One line: what the worker raised, and which rank (or ranks, that raised the same)."""
     rank: int
     exit_code: int
     retry: bool
-    """Whether a restart may get past it (not a ConfigError)."""
+    """Whether a restart may get past it (no rank raised a ConfigError)."""
+    traceback: str | None
 
 
-def _report(message: str, *, exit_code: int, retry: bool, names_rank: bool = False, first: bool = False,
-            consequence: bool = False, rank: int | None = None) -> bool:
-    """Leave ``rank``'s (default: this rank's) failure in ``$HETDP_ERRORS`` for the launcher; False if no launcher
-    asked for it. ``names_rank``: the message already says which rank failed (else the launcher adds the ranks that
-    reported it); ``first``: this rank told its traceback, and the launcher's line names it whatever the reports'
-    order; ``consequence``: a peer's failure caused it, and any other report tells the story better."""
-    folder = os.environ.get(ENV_ERRORS)
-    if not folder:
-        return False
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    report = {"rank": rank, "message": message, "time": time.time(), "retry": retry, "exit_code": exit_code,
-              "names_rank": names_rank, "first": first, "consequence": consequence}
-    temporary = Path(folder) / f".rank-{rank}.tmp"
-    temporary.write_text(json.dumps(report), encoding="utf-8")
-    temporary.replace(Path(folder) / f"rank-{rank}.json")  # whole or absent, never half-written
-    return True
-
-
-def report_error(error: HetDPError) -> bool:
-    """Leave ``error``'s first line in ``$HETDP_ERRORS`` for the launcher; False if no launcher asked for it."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return _report(text, exit_code=2, retry=not isinstance(error, ConfigError))
-
-
-def _reported(folder: Path) -> list[dict[str, Any]]:
-    reports = (json.loads(path.read_text()) for path in folder.glob("rank-*.json"))
-    return sorted(reports, key=lambda report: (report["consequence"], not report["first"], report["time"]))
-
-
-def first_failure(folder: Path) -> Failure | None:
-    """The first failure reported in ``folder`` (with every rank that reported the same), or None."""
-    reports = _reported(folder)
-    if not reports:
+def first_failure(reports: Iterable[Report | None]) -> Failure | None:
+    """The failure that started the others: the first report whose rank did not fail because a peer did. A rank's
+    report may come twice (torchrun copies the first it saw into its own error file)."""
+    by_rank = {report.rank: report for report in reports if report is not None}
+    ordered = sorted(by_rank.values(), key=lambda report: (report.consequence, report.time))
+    if not ordered:
         return None
-    first = reports[0]
-    ranks = sorted(report["rank"] for report in reports if report["message"] == first["message"])
-    message = first["message"] if first["names_rank"] else (
-        f"{first['message']} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
-    return Failure(message, rank=first["rank"], exit_code=first["exit_code"],
-                   retry=all(report["retry"] for report in reports))
-
-
-def _rank_label(rank: int | str | None = None) -> str:
-    """``rank`` (default: this worker's) as a failure names it: with its node in a launch across nodes."""
-    rank = os.environ.get("RANK", "0") if rank is None else rank
-    node = os.environ.get(ENV_NODE)
-    return f"rank {rank}" if node is None else f"rank {rank} on {node}"
-
-
-def _others_stopped() -> str:
-    """What a worker's failure did to the rest of the launch, as its report's message ends."""
-    return "; the other ranks were stopped" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-
-
-def _fail(error: BaseException, exit_code: int) -> None:
-    """Report a worker's exception and exit with ``exit_code``. Its traceback (from the script's own frames) is
-    printed by the first rank that fails only, and never for a collective that a failed peer broke off: a rank
-    stopped by a peer's failure adds nothing to the story."""
-    from hetdp.runtime import is_peer_failure
-
-    text = str(error).splitlines()[0] if str(error) else ""
-    consequence = is_peer_failure(error)  # a collective of the script's own that a failed peer broke off
-    first = not consequence and _first_to_fail()
-    _report(f"{_rank_label()} failed with {type(error).__name__}{': ' if text else ''}{text}"
-            f"{_others_stopped()}", exit_code=exit_code, retry=True, names_rank=True, first=first,
-            consequence=consequence)
-    if first:
-        trace = error.__traceback__
-        while trace is not None and trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
-            trace = trace.tb_next  # the launcher's own frames: the user's traceback starts at their script
-        traceback.print_exception(type(error), error, trace, file=sys.stderr)
-        sys.stderr.flush()
-    sys.exit(exit_code)
-
-
-def _first_to_fail() -> bool:
-    """Whether this rank is the launch's first to fail with a traceback (an atomic claim, one rank wins)."""
-    try:
-        os.close(os.open(Path(os.environ[ENV_ERRORS]) / "traceback", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return not any(Path(os.environ[ENV_ERRORS]).glob("rank-*.json"))
+    first = ordered[0]
+    ranks = sorted(report.rank for report in ordered if report.message == first.message)
+    message = first.message if first.names_rank else (
+        f"{first.message} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
+    return Failure(message, rank=first.rank, exit_code=first.exit_code,
+                   retry=all(report.retry for report in ordered), traceback=first.traceback)
 
 
 def _worker(argv: list[str]) -> None:
-    """Run a script (``PATH ARGS``) or a module (``-m NAME ARGS``) as ``python`` would, reporting its failure."""
+    """Run a script (``PATH ARGS``) or a module (``-m NAME ARGS``) as ``python`` would, leaving its failure in
+    torchrun's error file for the launch: a HetDPError's line, another exception's line and traceback (from the
+    script's own frames), which the launch prints once."""
+    from hetdp.runtime import is_peer_failure
+
     module = argv[0] == "-m"
     target, rest = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *rest]
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = os.environ.get(ENV_RESTART, "0")  # each attempt is a fresh torchrun
+    error_file = os.environ.get(ERROR_FILE)
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = str(Path(target).resolve().parent)  # as `python script.py` sets it
             runpy.run_path(target, run_name="__main__")
-    except HetDPError as error:
-        if not report_error(error):
-            raise
-        sys.exit(2)
     except SystemExit as error:
-        if error.code not in (0, None):
-            _report(f"{_rank_label()} exited with {error.code!r}{_others_stopped()}",
-                    exit_code=error.code if isinstance(error.code, int) else 1, retry=True, names_rank=True)
-        else:
+        if error.code not in (0, None) and error_file:
+            code = error.code if isinstance(error.code, int) else 1
+            Report(rank=int(os.environ.get("RANK", "0")), message=f"{rank_label()} exited with {error.code!r}"
+                   f"{others_stopped()}", exit_code=code).write(error_file)
+        elif error.code in (0, None):
             _warn_if_settings_unused()
         raise
     except KeyboardInterrupt:
         raise
     except BaseException as error:
-        if not os.environ.get(ENV_ERRORS):
+        if not error_file:
             raise
-        _fail(error, 1)
+        trace = error.__traceback__
+        while trace is not None and trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            trace = trace.tb_next  # the launcher's own frames: the user's traceback starts at their script
+        told = "".join(traceback.format_exception(type(error), error, trace))
+        report = report_of(error, consequence=is_peer_failure(error), traceback=told)
+        report.write(error_file)
+        sys.exit(report.exit_code)
     _warn_if_settings_unused()
 
 
@@ -445,9 +386,9 @@ def _warn_if_settings_unused() -> None:
 
 
 def _torchrun(argv: list[str]) -> None:
-    """torchrun, minus its logs and failure summary when a worker fails: the worker's report says it in one line,
-    and a worker that died without one (killed, crashed) gets a report here, from torchrun's first observed
-    failure."""
+    """torchrun, minus its logs and failure summary when a worker fails: the failure that started the others is told
+    instead, its traceback once and its line in this launch's error file. A worker that died without a word (killed,
+    crashed) gets its line here, from torchrun's first observed failure."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
@@ -464,21 +405,27 @@ def _torchrun(argv: list[str]) -> None:
         main(argv)
     except DistError as error:  # the rendezvous of a launch across nodes: the others never came, or never answered
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        _report(text, exit_code=2, retry=True, names_rank=True, rank=NO_RANK)
+        Report(rank=NO_RANK, message=text, exit_code=2).write(os.environ[ERROR_FILE])
         sys.exit(2)
     except ChildFailedError as error:
-        folder = Path(os.environ[ENV_ERRORS])
-        reported = _reported(folder)
-        rank, failure = error.get_first_failure()
-        if not reported or (reported[0]["consequence"] and failure.exitcode < 0):
-            # died without a word (killed, crashed): torchrun's first observed failure tells it
-            died = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-            stopped = "; the other ranks were stopped" if len(error.failures) > 1 else ""
-            exit_code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
-            _report(f"{_rank_label(rank)} died ({died}){stopped}", exit_code=exit_code, retry=True, names_rank=True,
-                    rank=rank)
-            reported = _reported(folder)
-        sys.exit(reported[0]["exit_code"])
+        reports = {rank: Report.of(failure.error_file_data) for rank, failure in error.failures.items()}
+        told = [report for report in reports.values() if report is not None]
+        wordless = [rank for rank, report in reports.items() if report is None]
+        if wordless:
+            rank = min(wordless, key=lambda r: error.failures[r].timestamp)
+            died = error.failures[rank]
+            if not told or (all(report.consequence for report in told) and died.exitcode < 0):
+                # died without a word (killed, crashed): torchrun's first observed failure tells it
+                how = f"signal {died.signal_name()}" if died.exitcode < 0 else f"exit code {died.exitcode}"
+                stopped = "; the other ranks were stopped" if len(error.failures) > 1 else ""
+                report = Report(rank=rank, message=f"{rank_label(rank)} died ({how}){stopped}",
+                                exit_code=128 - died.exitcode if died.exitcode < 0 else died.exitcode)
+                report.write(os.environ[ERROR_FILE])
+                told.append(report)
+        failure = first_failure(told)
+        if failure.traceback:
+            print(failure.traceback, end="", file=sys.stderr, flush=True)
+        sys.exit(failure.exit_code)
 
 
 if __name__ == "__main__":

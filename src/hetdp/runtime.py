@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hetdp import liveness
 from hetdp.engines import gloo_interface, placement
+from hetdp.errorfile import record_uncaught
 from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (``engines.gloo_interface``;
     hetdp's gloo groups under NCCL use it too). The backend defaults to NCCL when every rank on this machine has a
     GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated workers share a
-    laptop's GPU). A process already in a group keeps it, so library code may call this freely.
+    laptop's GPU). A process already in a group keeps it, so library code may call this freely. Under torchrun, a
+    worker's uncaught exception is left in its error file as one line naming its rank, which torchrun's failure
+    summary shows as the root cause (``hetdp.errorfile``).
 
     Raises:
         ConfigError: no engine's variables, or incomplete ones (the message names what is missing), or a
@@ -62,6 +65,7 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    record_uncaught()
     place = placement()
     os.environ.update(place.environ())  # torch's env:// initialisation, and code that reads LOCAL_RANK, find them
     interface = gloo_interface(place, os.environ, psutil.net_if_addrs())
