@@ -13,7 +13,7 @@ import sys
 
 import psutil
 
-from hetdp.engines import SLURM_PORT_BASE
+from hetdp.runtime.engines import SLURM_PORT_BASE
 
 from .conftest import WORKERS
 

@@ -109,7 +109,7 @@ def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code
     output = completed.stderr + completed.stdout
     assert completed.returncode == 1
     assert output.count("Traceback") == 1 and "ValueError: boom" in output
-    assert str(path) in output and "hetdp/launch.py" not in output and "runpy" not in output
+    assert str(path) in output and "hetdp/launch/" not in output and "runpy" not in output
     assert "ChildFailedError" not in output and "elastic" not in output and "SIGTERM" not in output
     assert completed.stderr.splitlines()[-1] == (
         "hetdp run: error: rank 1 failed with ValueError: boom; the other ranks were stopped")

@@ -1,5 +1,5 @@
 """Each engine's variables, as a real allocation sets them, give the worker's placement, or one line saying what is
-missing; across nodes gloo speaks on the interface that reaches the master (hetdp.engines)."""
+missing; across nodes gloo speaks on the interface that reaches the master (hetdp.runtime.engines)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from hetdp.engines import ENV_NODE, SLURM_PORT_BASE, first_host, gloo_interface, node_label, placement, tasks_on_node
+from hetdp.runtime.engines import ENV_NODE, SLURM_PORT_BASE, first_host, gloo_interface, node_label, placement, tasks_on_node
 from hetdp.errors import ConfigError
 
 # `srun --nodes 2 --ntasks-per-node 3 python train.py`, task 4 (node 1, its second task), job 81234.

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from hetdp import ConfigError, PeerTimeoutError
-from hetdp.errorfile import Report, report_of
-from hetdp.launch import first_failure
+from hetdp.runtime.errorfile import Report, report_of
+from hetdp.launch.failures import first_failure
 
 
 def test_torchrun_reads_the_line_and_hetdp_its_report(tmp_path, monkeypatch):

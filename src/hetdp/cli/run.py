@@ -15,7 +15,7 @@ from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, p
 from hetdp.errors import ConfigError
 from hetdp.flags import positive_int
 from hetdp.launch import run_local
-from hetdp.nodes import Nodes, parse_endpoint
+from hetdp.launch.nodes import Nodes, parse_endpoint
 from hetdp.sync.policy import ENV_SYNC, sync_policy
 
 

@@ -14,9 +14,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from hetdp import liveness
-from hetdp.engines import gloo_interface, placement
-from hetdp.errorfile import record_uncaught
+from hetdp.runtime import liveness
+from hetdp.runtime.engines import gloo_interface, placement
+from hetdp.runtime.errorfile import record_uncaught
 from hetdp.errors import ConfigError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     world size).
 
     The placement comes from torchrun's (and ``hetdp run``'s), Slurm ``srun``'s or a PyTorchJob's variables
-    (``hetdp.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
+    (``hetdp.runtime.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
     ``MASTER_ADDR``...). Under Ray Train the group already exists: Ray's ``TorchConfig`` joins every worker before
     the training function runs, and this returns Ray's rank and world size. Across nodes, gloo speaks on the
     interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (``engines.gloo_interface``;
@@ -57,7 +57,7 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated workers share a
     laptop's GPU). A process already in a group keeps it, so library code may call this freely. Under torchrun, a
     worker's uncaught exception is left in its error file as one line naming its rank, which torchrun's failure
-    summary shows as the root cause (``hetdp.errorfile``).
+    summary shows as the root cause (``hetdp.runtime.errorfile``).
 
     Raises:
         ConfigError: no engine's variables, or incomplete ones (the message names what is missing), or a
@@ -180,7 +180,7 @@ def is_peer_failure(error: BaseException) -> bool:
 def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseException,
                  group: dist.ProcessGroup | None = None) -> PeerTimeoutError:
     """The PeerTimeoutError a collective's failure on ``rank`` becomes: it names the silent or stuck peer when
-    ``group`` has a heartbeat (see ``hetdp.liveness``), else this rank, and the deadline."""
+    ``group`` has a heartbeat (see ``hetdp.runtime.liveness``), else this rank, and the deadline."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     verdict = liveness.diagnose(group)
     if verdict is not None and verdict.culprits:

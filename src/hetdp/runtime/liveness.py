@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hetdp.engines import node_label
+from hetdp.runtime.engines import node_label
 
 log = logging.getLogger(__name__)
 

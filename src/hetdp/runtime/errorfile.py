@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from hetdp.engines import ENV_NODE
+from hetdp.runtime.engines import ENV_NODE
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.files import atomic_write
 

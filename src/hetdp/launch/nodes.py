@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from hetdp.engines import ENV_NODE, check_interfaces, is_loopback, route_to
 from hetdp.errors import ConfigError
+from hetdp.runtime.engines import ENV_NODE, check_interfaces, is_loopback, route_to
 
 DEFAULT_PORT = 29500
 """The rendezvous port when ``--rdzv-endpoint`` gives none (torchrun's)."""
