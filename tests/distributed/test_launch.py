@@ -4,7 +4,6 @@ one line naming the rank, with its exit code; never a traceback per rank or torc
 a worker that joined with hetdp.init_distributed leaves that line in its error file, as torchrun's root cause."""
 
 import re
-import subprocess
 import textwrap
 from pathlib import Path
 
