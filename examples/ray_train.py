@@ -8,6 +8,8 @@ checkpoints go to a folder Ray's restarts find again: a worker group that Ray re
 Run on a local Ray instance with 4 CPU workers (``pip install '.[ray]'``):
     python examples/ray_train.py --workers 4 --allocation static:1,1,2,4 --checkpoint /tmp/ray-ckpt
 ``--fail-at STEP`` makes worker 2 die at that global step once, to watch Ray restart the group and the loop resume.
+Emulated unequal workers take hetdp's settings through the job's environment, as ``hetdp run`` would set them:
+``ray.init(runtime_env={"env_vars": hetdp.Emulation(speeds=(1, 1, 2, 4), sample_cost_ms=2).to_env()})``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def allocation(text: str) -> str | hetdp.Static:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    rank, _ = hetdp.init_distributed()  # Ray set the group up: this returns its rank and world size
+    rank, world_size = hetdp.init_distributed()  # Ray set the group up: this returns its rank and world size
     model = hetdp.DDP(network(), allocation(config["allocation"]))
     data = dataset()
     loader = model.allocate(DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False)))
@@ -71,7 +73,21 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0 and config.get("out"):
             parameters = [parameter.detach().tolist() for parameter in model.module.parameters()]
             Path(config["out"]).write_text(json.dumps({"parameters": parameters, "resumed": resumed,
-                                                       "shares": model.shares}))
+                                                       "shares": model.shares, "world_size": world_size,
+                                                       "speeds": model.emulation.speeds}))
+
+
+def fit(workers: int, config: dict, max_failures: int = 0) -> None:
+    """Train on ``workers`` CPU workers of the Ray instance this process joined; Ray restarts the group after up to
+    ``max_failures`` failures."""
+    TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hetdp-ray-runs-"),
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    ).fit()
 
 
 def main() -> None:
@@ -83,19 +99,11 @@ def main() -> None:
     parser.add_argument("--fail-at", type=int, default=-1, help="worker 2 dies once at this global step")
     parser.add_argument("--out", default=None, help="rank 0 writes the final parameters there (JSON)")
     args = parser.parse_args()
-    checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="hetdp-ray-")
+    config = {"allocation": args.allocation, "epochs": args.epochs, "fail_at": args.fail_at, "out": args.out,
+              "checkpoint": args.checkpoint or tempfile.mkdtemp(prefix="hetdp-ray-")}
     ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
     try:
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={"allocation": args.allocation, "epochs": args.epochs, "checkpoint": checkpoint,
-                               "fail_at": args.fail_at, "out": args.out},
-            torch_config=TorchConfig(backend="gloo"),
-            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
-            run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hetdp-ray-runs-"),
-                                 failure_config=FailureConfig(max_failures=1 if args.fail_at >= 0 else 0)),
-        )
-        trainer.fit()
+        fit(args.workers, config, max_failures=1 if args.fail_at >= 0 else 0)
     finally:
         ray.shutdown()
 

@@ -1,9 +1,9 @@
 """Launched workers report back: rank 0's events reach the launcher as they come, and a failure is one story: a
 HetDPError ends the launch in one line (exit code 2); any other exception in its rank's traceback, printed once, then
-one line naming the rank, with its exit code; never a traceback per rank or torchrun's summary."""
+one line naming the rank, with its exit code; never a traceback per rank or torchrun's summary. Under torchrun itself,
+a worker that joined with hetdp.init_distributed leaves that line in its error file, as torchrun's root cause."""
 
 import re
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -108,7 +108,7 @@ def test_a_ranks_exception_is_its_traceback_once_then_one_line_and_its_exit_code
     output = completed.stderr + completed.stdout
     assert completed.returncode == 1
     assert output.count("Traceback") == 1 and "ValueError: boom" in output
-    assert str(path) in output and "hetdp/launch.py" not in output and "runpy" not in output
+    assert str(path) in output and "hetdp/launch/" not in output and "runpy" not in output
     assert "ChildFailedError" not in output and "elastic" not in output and "SIGTERM" not in output
     assert completed.stderr.splitlines()[-1] == (
         "hetdp run: error: rank 1 failed with ValueError: boom; the other ranks were stopped")
@@ -148,3 +148,22 @@ def test_script_flags_that_abbreviate_torchruns_own_reach_the_script(tmp_path, r
                           report_errors=report_errors)
     assert completed.returncode == 0, completed.stdout
     assert "ARGS ['--signal', 'KILL', '--nnodes', '3']" in completed.stdout
+
+
+EMULATION_SCRIPT = """
+    import torch
+    import hetdp
+
+    hetdp.init_distributed()
+    hetdp.DDP(torch.nn.Linear(2, 1))
+"""
+
+
+def test_under_torchrun_the_root_cause_is_one_line_naming_the_rank(script):
+    """Emulation settings in the environment of a plain torchrun (an engine), for another number of ranks: each rank
+    stops on one ConfigError, which its error file gives torchrun's failure summary in place of a link to the docs."""
+    completed = run_local(script(EMULATION_SCRIPT), 2, env={"HETDP_SPEEDS": "1,2,3"}, capture=True, timeout_s=120)
+    assert completed.returncode != 0
+    root = completed.stdout[completed.stdout.index("Root Cause"):]
+    assert re.search(r"traceback : the emulation gives 3 speeds \(HETDP_SPEEDS\) for a group of 2 ranks: give one "
+                     r"per rank \(rank [01]\)\n", root), root

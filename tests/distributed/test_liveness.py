@@ -1,5 +1,5 @@
 """A peer that is stopped (SIGSTOP) or wedged in its own code makes every survivor raise PeerTimeoutError naming it
-(heartbeats on the launcher's store), whichever of the drop-in's collectives they wait in, and the launch ends in that
+(heartbeats on the process group's store), whichever of the drop-in's collectives they wait in, and the launch ends in that
 one line instead of waiting on the stopped process.
 (A killed peer is named the same way, but on one machine torchrun tears the survivors down first; test_faults
 restarts it.)"""
@@ -48,16 +48,18 @@ def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
         assert f"{WAITING_IN[where]} on rank {survivor} failed within 3 s" in outcome["message"]
 
 
-def test_a_stopped_rank_is_named_under_tcp_initialisation(tmp_path):
-    """No launcher's variables: plain processes join by tcp:// (as under Ray Train or a script of one's own), and the
-    heartbeats still name the stopped rank, from the process group's own store."""
+@pytest.mark.parametrize("init", ["tcp", "file"])
+def test_a_stopped_rank_is_named_under_tcp_and_file_initialisation(tmp_path, init):
+    """No launcher's variables: plain processes join by tcp:// or file:// (a script of one's own), and the heartbeats
+    still name the stopped rank, from the process group's own store (a TCPStore, a FileStore)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}" if init == "tcp" else f"file://{tmp_path / 'store'}"
     env = {name: value for name, value in os.environ.items()
            if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     workers = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), "--out", str(tmp_path), "--how",
-                                 "stop", "--victim", "2", "--tcp", f"127.0.0.1:{port}", "--rank", str(rank),
+                                 "stop", "--victim", "2", "--init-method", url, "--rank", str(rank),
                                  "--world-size", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                for rank in range(3)]
     try:

@@ -1,6 +1,7 @@
 """hetdp.DDP under Ray Train (examples/ray_train.py on a local Ray instance, 4 CPU workers): Ray starts the workers and
-their process group; adaptive shares train exactly what one process trains, and a worker that dies mid-epoch is
-restarted by Ray's FailureConfig and the loop resumes from hetdp's step checkpoint, exactly."""
+their process group; equal and adaptive shares train exactly what one process trains, emulation settings reach the
+workers through Ray's runtime_env, and a worker that dies mid-epoch is restarted by Ray's FailureConfig and the loop
+resumes from hetdp's step checkpoint, exactly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,26 @@ sys.path.insert(0, str(EXAMPLE.parent))
 import ray_train  # noqa: E402
 
 WORKERS, EPOCHS = 4, 2
+
+# One Ray instance for both runs; its workers import the example from PYTHONPATH and read hetdp's emulation settings
+# from the job's environment, as on a Ray cluster.
+DRIVER = """
+    import sys
+    import ray
+    import hetdp
+
+    sys.path.insert(0, {examples!r})
+    import ray_train
+
+    emulation = hetdp.Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=1.0).to_env()
+    ray.init(num_cpus={workers} + 1, include_dashboard=False, log_to_driver=False,
+             runtime_env={{"env_vars": {{"PYTHONPATH": {examples!r}, **emulation}}}})
+    common = {{"epochs": {epochs}, "fail_at": -1}}
+    ray_train.fit({workers}, {{**common, "allocation": "equal", "checkpoint": {equal_ckpt!r}, "out": {equal!r}}})
+    ray_train.fit({workers}, {{**common, "allocation": "adaptive", "checkpoint": {adaptive_ckpt!r}, "out": {adaptive!r},
+                               "fail_at": 5}}, max_failures=1)
+    ray.shutdown()
+"""
 
 
 def one_process() -> list[torch.Tensor]:
@@ -38,15 +60,20 @@ def one_process() -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(600)
-def test_a_worker_killed_under_ray_resumes_from_the_step_checkpoint_exactly(tmp_path):
-    out, checkpoint = tmp_path / "out.json", tmp_path / "ckpt"
-    command = [sys.executable, str(EXAMPLE), "--workers", str(WORKERS), "--epochs", str(EPOCHS), "--allocation",
-               "adaptive", "--checkpoint", str(checkpoint), "--fail-at", "5", "--out", str(out)]
+def test_equal_and_adaptive_under_ray_train_as_one_process_and_a_killed_worker_resumes_exactly(tmp_path):
+    paths = {name: str(tmp_path / name) for name in ("equal", "adaptive", "equal_ckpt", "adaptive_ckpt")}
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(DRIVER.format(examples=str(EXAMPLE.parent), workers=WORKERS, epochs=EPOCHS,
+                                                    **paths)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    completed = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=540)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    assert (checkpoint / "failed-once").exists()  # worker 2 did die once, and Ray started the group again
-    result = json.loads(out.read_text())
-    assert result["resumed"]
-    for got, want in zip(result["parameters"], one_process(), strict=True):
-        torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+    assert (Path(paths["adaptive_ckpt"]) / "failed-once").exists()  # worker 2 died once; Ray started the group again
+    expected = one_process()
+    for run in ("equal", "adaptive"):
+        result = json.loads(Path(paths[run]).read_text())
+        assert result["world_size"] == WORKERS  # hetdp.init_distributed returned Ray's group
+        assert result["speeds"] == [1.0, 1.0, 2.0, 4.0]  # the emulation came through Ray's runtime_env
+        assert result["resumed"] == (run == "adaptive")
+        for got, want in zip(result["parameters"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)

@@ -1,11 +1,13 @@
 """Each engine's variables, as a real allocation sets them, give the worker's placement, or one line saying what is
-missing (hetdp.engines)."""
+missing; across nodes gloo speaks on the interface that reaches the master (hetdp.runtime.engines)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from hetdp.engines import SLURM_PORT_BASE, first_host, placement, tasks_on_node
+from hetdp.runtime.engines import ENV_NODE, SLURM_PORT_BASE, first_host, gloo_interface, node_label, placement, tasks_on_node
 from hetdp.errors import ConfigError
 
 # `srun --nodes 2 --ntasks-per-node 3 python train.py`, task 4 (node 1, its second task), job 81234.
@@ -76,3 +78,60 @@ def test_first_host_of_a_slurm_node_list(nodes, first):
 def test_tasks_on_each_node():
     assert [tasks_on_node("2(x3),1", node) for node in range(5)] == [2, 2, 2, 1, None]
     assert tasks_on_node("", 0) is None
+
+
+# A Ray Train worker (TorchConfig's default init_method "env"), world rank 5 of 8 on its second node: Ray joins the
+# process group itself before the training function runs, and sets torchrun's variables for code that reads them.
+RAY_TRAIN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1",
+             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "41234", "ACCELERATE_TORCH_DEVICE": "cpu"}
+
+
+def test_a_ray_train_worker_reads_as_torchrun():
+    place = placement(RAY_TRAIN)
+    assert (place.rank, place.world_size, place.local_rank, place.local_world_size) == (5, 8, 1, 4)
+    assert (place.master_addr, place.master_port) == ("10.0.0.1", 41234)
+
+
+def routes(table):
+    """A route function over a fixed table: host -> (this machine's address, its interface)."""
+    def route(host, port):
+        if host not in table:
+            raise ConfigError(f"no route from this node to {host}:{port}")
+        return table[host]
+    return route
+
+
+INTERFACES = ("lo", "eth0", "ib0")
+ACROSS_NODES = placement(SRUN)  # 3 of 6 ranks on this node, meeting at gpu07
+
+
+def test_across_nodes_gloo_speaks_on_the_interface_that_reaches_the_master():
+    assert gloo_interface(ACROSS_NODES, {}, INTERFACES, routes({"gpu07": ("10.1.0.8", "ib0")})) == "ib0"
+
+
+@pytest.mark.parametrize(("place", "environ", "table"), [
+    (placement(SRUN_TORCHRUN | {"RANK": "2", "WORLD_SIZE": "3"}), {}, {"gpu07": ("10.1.0.8", "ib0")}),  # one node
+    (ACROSS_NODES, {"GLOO_SOCKET_IFNAME": "eth0"}, {"gpu07": ("10.1.0.8", "ib0")}),  # the user's choice
+    (placement(SRUN | {"MASTER_ADDR": "127.0.0.1"}), {}, {}),  # several agents on one machine
+    (ACROSS_NODES, {}, {}),  # MASTER_ADDR does not resolve (yet): the group's own retries wait for it
+])
+def test_gloo_keeps_its_choice_where_there_is_nothing_to_pick(place, environ, table):
+    assert gloo_interface(place, environ, INTERFACES, routes(table)) is None
+
+
+def test_a_master_name_that_resolves_to_this_machines_loopback_warns_across_nodes():
+    with pytest.warns(UserWarning, match="MASTER_ADDR gpu07 resolves to this machine's loopback .127.0.1.1."):
+        assert gloo_interface(ACROSS_NODES, {}, INTERFACES, routes({"gpu07": ("127.0.1.1", "lo")})) is None
+
+
+def test_a_gloo_interface_this_machine_lacks_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"GLOO_SOCKET_IFNAME names ib1, which this node does not have \(its "
+                       r"interfaces: eth0, ib0, lo\)"):
+        gloo_interface(ACROSS_NODES, {"GLOO_SOCKET_IFNAME": "eth0,ib1"}, INTERFACES, routes({}))
+
+
+def test_a_workers_node_label_is_hetdp_runs_else_its_host(monkeypatch):
+    monkeypatch.setenv(ENV_NODE, "node 1 (10.0.0.2)")
+    assert node_label() == "node 1 (10.0.0.2)"
+    monkeypatch.delenv(ENV_NODE)
+    assert node_label() == f"host {socket.gethostname()}"

@@ -1,5 +1,6 @@
-"""The package's shape: the drop-in's coordinator stays short, its parts do not reach back to it, and imports run one
-way (no circle, nothing of the library above the benchmarks and the command line)."""
+"""The package's shape: the drop-in's coordinator stays short, its parts do not reach back to it, imports run one way
+(no circle, nothing of the library above the benchmarks, the command line and the launcher), and no module of the
+launcher or the runtime lies loose at the package's root."""
 
 from __future__ import annotations
 
@@ -97,3 +98,17 @@ def test_the_drop_in_s_parts_see_the_model_through_protocols_not_its_module():
     for part in ("hetdp.data.loader", "hetdp.checkpoint.checkpointer", "hetdp.figures.gather", "hetdp.ddp.step",
                  "hetdp.figures.tally", "hetdp.ddp.hook", "hetdp.allocate.caps", "hetdp.ddp.seams"):
         assert "hetdp.ddp.model" not in graph[part], part
+
+
+SHARED_AT_THE_ROOT = {"__init__", "errors", "files", "flags", "floor", "report"}
+"""The package's face and the modules every part uses: the launcher and the runtime have folders of their own."""
+
+
+def test_the_package_root_holds_its_face_and_shared_modules_only():
+    assert {path.stem for path in PACKAGE.glob("*.py")} <= SHARED_AT_THE_ROOT
+
+
+def test_only_the_command_line_and_the_benchmarks_import_the_launcher():
+    for module, targets in imports().items():
+        if not module.startswith(("hetdp.launch", "hetdp.cli", "hetdp.bench")):
+            assert not {t for t in targets if t.startswith("hetdp.launch")}, module

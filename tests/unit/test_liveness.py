@@ -8,7 +8,7 @@ from torch.distributed import distributed_c10d
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetdp.liveness import Heartbeat, Verdict, judge
+from hetdp.runtime.liveness import Heartbeat, Verdict, judge
 
 RANKS = [0, 1, 2, 3]
 

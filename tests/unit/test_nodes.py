@@ -7,7 +7,8 @@ import pytest
 
 from hetdp.cli import main
 from hetdp.errors import ConfigError
-from hetdp.nodes import ENV_NODE, Nodes, parse_endpoint
+from hetdp.runtime.engines import ENV_NODE
+from hetdp.launch.nodes import Nodes, parse_endpoint
 
 
 @pytest.mark.parametrize(("text", "endpoint"), [

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from hetdp import liveness
-from hetdp.runtime import (
+from hetdp.runtime import liveness
+from hetdp.runtime.group import (
     defer_nccl_watchdog,
     gpu_per_local_rank,
     group_timeout_s,

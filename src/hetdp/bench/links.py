@@ -185,7 +185,7 @@ def _node(host: int, folder: Path) -> int:
     """One host's part: its rank of the launch across the four hosts, its failure in one line."""
     from hetdp.hosts import address
     from hetdp.launch import run_local
-    from hetdp.nodes import Nodes
+    from hetdp.launch.nodes import Nodes
 
     nodes = Nodes(count=4, rank=host, master_addr=address(0), master_port=PORT, join_timeout_s=120)
     try:

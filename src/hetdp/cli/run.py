@@ -15,7 +15,7 @@ from hetdp.cluster.emulate import Emulation, parse_speed_change, parse_speeds, p
 from hetdp.errors import ConfigError
 from hetdp.flags import positive_int
 from hetdp.launch import run_local
-from hetdp.nodes import Nodes, parse_endpoint
+from hetdp.launch.nodes import Nodes, parse_endpoint
 from hetdp.sync.policy import ENV_SYNC, sync_policy
 
 
@@ -122,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "allreduce, solo, majority, quorum:K, full, local or local:K")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="when a worker dies or hangs, start the whole group again (new rendezvous), up to R "
-                        "times; the script resumes from its checkpoint ($HETDP_RESTART: the attempt)")
+                        "times; the script resumes from its checkpoint ($TORCHELASTIC_RESTART_COUNT: the attempt)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=run)

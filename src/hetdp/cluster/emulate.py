@@ -250,7 +250,18 @@ class Emulation:
         sleep(self.padding_s(rank, time.perf_counter() - start, samples, step))
 
     def pacer(self, rank: int, world_size: int) -> Pacer:
-        """The one seam between a training step and this emulation, for ``rank``."""
+        """The one seam between a training step and this emulation, for ``rank`` of ``world_size``.
+
+        Raises:
+            ConfigError: speeds or device models for another number of ranks (set by hand in the environment under
+                an engine, where no ``hetdp run`` counted the ranks).
+        """
+        counts = [("speeds", ENV_SPEEDS, self.speeds), ("device models", ENV_DEVICES, self.devices),
+                  *((f"speeds from step {step}", ENV_SPEED_CHANGES, speeds) for step, speeds in self.speed_changes)]
+        for what, variable, values in counts:
+            if values is not None and len(values) != world_size:
+                raise ConfigError(f"the emulation gives {len(values)} {what} ({variable}) for a group of {world_size} "
+                                  "ranks: give one per rank")
         return Pacer(self, rank, world_size)
 
 

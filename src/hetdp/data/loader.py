@@ -12,91 +12,12 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-)
+from torch.utils.data import DataLoader
 
-from hetdp.allocate.pack import CostBalance
-from hetdp.data.owndata import OwnData
 from hetdp.data.randomness import set_random_state
 from hetdp.data.steps import StepSampler, StepTicket
-from hetdp.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class _Order:
-    """How the user's loader orders an epoch, read off its sampler (or given to ``allocate``)."""
-
-    shuffle: bool
-    seed: int | None
-    """None: a plain shuffled loader's, which the ranks draw and agree on (torch draws one per pass)."""
-    source: DistributedSampler | None
-    """The user's ``DistributedSampler``, whose epoch the allocated loader follows."""
-    drops_tail: bool
-    """Whether the sampler drops the samples that do not divide among the ranks (``drop_last`` on it)."""
-
-
-def _order_of(loader: DataLoader, shuffle: bool | None, seed: int | None) -> _Order:
-    """The order the user's loader asked for, read off its sampler (``shuffle`` and ``seed`` override it). A loader
-    that batches with a ``batch_sampler`` of its own ignores ``loader.sampler``: its order is the batch sampler's."""
-    sampler = loader.sampler
-    own = _own_batch_sampler(loader)
-    if own is not None:
-        sampler = own.sampler if type(own) is BatchSampler else own
-    if isinstance(sampler, DistributedSampler):
-        found = _Order(sampler.shuffle, sampler.seed, sampler, sampler.drop_last)
-    elif isinstance(sampler, RandomSampler):
-        found = _Order(True, None, None, False)
-    elif isinstance(sampler, SequentialSampler):
-        found = _Order(False, 0, None, False)
-    elif shuffle is None:
-        raise ConfigError(
-            f"allocate() replaces the loader's sampler and cannot imitate a {type(sampler).__name__}: use a "
-            f"DistributedSampler, or pass shuffle= (and seed=; cost= balances steps by length)"
-        )
-    else:
-        found = _Order(shuffle, None, None, False)
-    shuffle = found.shuffle if shuffle is None else shuffle
-    if seed is None and found.seed is None and not shuffle:
-        seed = 0  # an order that is not shuffled needs no seed
-    return replace(found, shuffle=shuffle, seed=found.seed if seed is None else seed)
-
-
-def _drawn_seed(loader: DataLoader) -> int:
-    """A seed for a plain shuffled loader's orders, drawn as torch's ``RandomSampler`` draws one: from the
-    loader's ``generator`` if it has one, else from torch's global generator (``torch.manual_seed`` fixes it)."""
-    generator = getattr(loader.sampler, "generator", None) or loader.generator
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) % 2**62
-
-
-def _drops_last(loader: DataLoader) -> bool:
-    """Whether the user's loader drops a partial last batch (a ``BatchSampler`` of its own says so itself)."""
-    own = _own_batch_sampler(loader)
-    return own.drop_last if type(own) is BatchSampler else loader.drop_last
-
-
-def _own_batch_sampler(loader: DataLoader) -> Any | None:
-    """The ``batch_sampler`` the user's loader batches with, if given (its ``sampler`` and ``drop_last`` are then
-    unused)."""
-    return loader.batch_sampler if loader.batch_size is None else None
-
-
-def per_rank_batch(loader: DataLoader) -> int | None:
-    """The batch each rank of plain DDP would take from ``loader``: its ``batch_size``, or that of a torch
-    ``BatchSampler`` it batches with; None where the loader does not say."""
-    own = _own_batch_sampler(loader)
-    if own is None:
-        return loader.batch_size
-    return own.batch_size if type(own) is BatchSampler else None
 
 
 _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -111,10 +32,9 @@ class _Ended(Protocol):
 
 
 class StepDriver(Protocol):
-    """What an allocated loader needs of the model whose steps it cuts and drives (``hetdp.DDP``)."""
+    """What an allocated loader needs of the model whose steps it drives (``hetdp.DDP``), and what a framework that owns
+    the loop calls on it (``hetdp.integrations``)."""
 
-    rank: int
-    world_size: int
     steps_done: int
     resume_random_state: dict[str, Any] | None
     """A resumed run's random state, restored as the loop starts (once)."""
@@ -123,7 +43,6 @@ class StepDriver(Protocol):
     def epochs_done(self) -> int: ...
     @property
     def last_epoch(self) -> _Ended | None: ...
-    def shares_at(self, step: int) -> list[int]: ...
     def begin_epoch(self, epoch: int, start_step: int = 0) -> None: ...
     def begin_ticket(self, ticket: StepTicket, total: int | None = None) -> None: ...
     def end_step(self) -> None: ...
@@ -132,7 +51,6 @@ class StepDriver(Protocol):
     def loader_resumed(self) -> None: ...
     def loader_exhausted(self) -> None: ...
     def pass_starts(self) -> None: ...
-    def _rank0s(self, value: Any, what: str) -> Any: ...
     def _first_warning(self, key: str) -> bool: ...
 
 
@@ -162,26 +80,12 @@ class AllocatedLoader:
         with ``DistributedSampler``): each step is collective.
     """
 
-    def __init__(self, model: StepDriver, loader: DataLoader, *, global_batch: int,
-                 shuffle: bool | None = None, seed: int | None = None, cost: CostBalance | None = None,
-                 own: OwnData | None = None) -> None:
-        dataset = loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ConfigError("allocate() needs a map-style dataset (with __len__ and __getitem__), "
-                              f"got {type(dataset).__name__}")
-        order = _order_of(loader, shuffle, seed)
-        seed = order.seed if order.seed is not None else model._rank0s(_drawn_seed(loader), "agreeing on the order's seed")
-        size = len(dataset)
+    def __init__(self, model: StepDriver, loader: DataLoader, sampler: StepSampler) -> None:
+        """``sampler`` cuts the steps of ``loader``'s dataset (``model.allocate`` builds it from what ``loader`` asks
+        for, ``hetdp.data.order``)."""
         self.original = loader
         self.model = model
-        if own is not None:  # the loader holds this rank's own samples (``hetdp.data.owndata``)
-            self.sampler = own.sampler(model.rank, shuffle=order.shuffle, seed=seed, drop_last=_drops_last(loader),
-                                       epoch_source=order.source)
-        else:
-            self.sampler = StepSampler(size, global_batch, model.rank, shares_at=model.shares_at,
-                                       shuffle=order.shuffle, seed=seed, drop_last=_drops_last(loader), cost=cost,
-                                       epoch_source=order.source,
-                                       epoch_size=size - size % model.world_size if order.drops_tail else size)
+        self.sampler = sampler
         accepted = inspect.signature(DataLoader.__init__).parameters
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS
                    if name in accepted and hasattr(loader, name)}
@@ -189,7 +93,7 @@ class AllocatedLoader:
             options.pop("prefetch_factor", None)
         if "in_order" in accepted:
             options["in_order"] = True  # batches must come back in the order their tickets were cut
-        self._loader = DataLoader(dataset, batch_sampler=self.sampler, **options)
+        self._loader = DataLoader(loader.dataset, batch_sampler=sampler, **options)
 
     @property
     def dataset(self) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -19,8 +20,10 @@ from hetdp.allocate.pack import CostBalance
 from hetdp.allocate.policy import AllocationPolicy, Allocator, Static
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.memory import largest_forward
-from hetdp.data.loader import AllocatedLoader, per_rank_batch
-from hetdp.data.owndata import OwnData, own_batch_sizes
+from hetdp.data.loader import AllocatedLoader
+from hetdp.data.order import LoaderOrder
+from hetdp.data.owndata import OwnData, OwnDataSampler, own_batch_sizes
+from hetdp.data.steps import StepSampler
 from hetdp.errors import ConfigError
 from hetdp.figures.gather import Planner
 from hetdp.membership.schedule import SitOut
@@ -91,14 +94,26 @@ class Allocating:
         """
         if self._follows:
             raise ConfigError("this model follows another's steps: allocate that model's loader")
+        order = LoaderOrder.read(loader, shuffle, seed)
+        if order.drawn:
+            order = replace(order, seed=self._rank0s(order.seed, "agreeing on the order's seed"))
         if own_data:
-            return self._allocate_own(loader, shuffle=shuffle, seed=seed)
+            sampler = self._own_sampler(order)
+        else:
+            sampler = self._step_sampler(loader, order, global_batch, max_batch, accumulates, cost)
+        allocated = AllocatedLoader(self, loader, sampler)
+        self._planner.loader = weakref.ref(allocated)
+        return allocated
+
+    def _step_sampler(self, loader: DataLoader, order: LoaderOrder, global_batch: int | None,
+                      max_batch: int | Sequence[int | None] | Literal["measure"] | None, accumulates: bool,
+                      cost: CostBalance | Sequence[float] | None) -> StepSampler:
+        """Steps of ``global_batch`` samples of the dataset every rank shares, cut by the allocation's shares."""
         if global_batch is None:
-            batch = per_rank_batch(loader)
-            if batch is None:
+            if order.batch is None:
                 raise ConfigError(f"the loader batches with a {type(loader.batch_sampler).__name__}, which gives no "
                                   "batch size: pass global_batch= (samples per step over all ranks)")
-            global_batch = batch * self.world_size
+            global_batch = order.batch * self.world_size
         balance = None if cost is None else CostBalance.of(cost)
         if self.allocator is None:
             caps = self._memory_caps(max_batch, loader, accumulates=accumulates)
@@ -109,21 +124,20 @@ class Allocating:
             self._planner.start(Allocator(
                 self.allocation, self.world_size, global_batch,
                 minimum=least if global_batch >= least * self.world_size else 0,
-                dataset_size=len(loader.dataset) if hasattr(loader.dataset, "__len__") else None,
-                caps=bounds, chunks=None if balance else caps, membership=self._sitting is not None))
+                dataset_size=order.size, caps=bounds, chunks=None if balance else caps,
+                membership=self._sitting is not None))
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")
-        allocated = AllocatedLoader(self, loader, global_batch=global_batch, shuffle=shuffle, seed=seed, cost=balance)
-        allocated.sampler.stand_in = stand_in_samples(self.module)
-        self._planner.loader = weakref.ref(allocated)
-        return allocated
+        sampler = StepSampler(order.size, global_batch, self.rank, shares_at=self.shares_at, shuffle=order.shuffle,
+                              seed=order.seed, drop_last=order.drop_last, cost=balance, epoch_source=order.source,
+                              epoch_size=order.epoch_size(self.world_size))
+        sampler.stand_in = stand_in_samples(self.module)
+        return sampler
 
-    def _allocate_own(self, loader: DataLoader, *, shuffle: bool | None, seed: int | None) -> AllocatedLoader:
+    def _own_sampler(self, order: LoaderOrder) -> OwnDataSampler:
         """``allocate(loader, own_data=True)``: steps of every rank's own batches; collective."""
-        if not hasattr(loader.dataset, "__len__"):
-            raise ConfigError(f"own_data=True needs a dataset with __len__, got {type(loader.dataset).__name__}")
-        held = self._gather_objects((len(loader.dataset), per_rank_batch(loader)), "exchanging the ranks' own data")
+        held = self._gather_objects((order.size, order.batch), "exchanging the ranks' own data")
         own = OwnData(counts=tuple(count for count, _ in held),
                       batch_sizes=tuple(own_batch_sizes(self.allocation, [batch for _, batch in held])))
         if self.allocator is None:
@@ -132,10 +146,8 @@ class Allocating:
         elif self.allocator.shares != list(own.batch_sizes):
             raise ConfigError(f"this model already allocates steps of {self.allocator.shares}, not of the batch "
                               f"sizes {list(own.batch_sizes)}: one allocation per model")
-        allocated = AllocatedLoader(self, loader, global_batch=sum(own.batch_sizes), shuffle=shuffle, seed=seed,
-                                    own=own)
-        self._planner.loader = weakref.ref(allocated)
-        return allocated
+        return OwnDataSampler(own, self.rank, shuffle=order.shuffle, seed=order.seed, drop_last=order.drop_last,
+                              epoch_source=order.source)
 
     def _memory_caps(self, max_batch: int | Sequence[int | None] | Literal["measure"] | None,
                      loader: DataLoader, *, accumulates: bool = False) -> list[int | None] | None:

@@ -29,7 +29,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.gather import Planner
 from hetdp.figures.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.figures.tally import Epochs
-from hetdp.liveness import Heartbeat
+from hetdp.runtime.liveness import Heartbeat
 from hetdp.runtime import host_group
 from hetdp.sync.base import Synchronizer
 

@@ -1,6 +1,6 @@
 """Worker for test_liveness.py: rank ``--victim`` stops (SIGSTOP) or sleeps in its own code at step ``--at`` of the
-drop-in; every other rank writes what it raised to ``--out/rank-R.json``. Launched by torchrun, or (``--tcp``) as
-plain processes joining by ``tcp://``, with no launcher variable set.
+drop-in; every other rank writes what it raised to ``--out/rank-R.json``. Launched by torchrun, or
+(``--init-method``) as plain processes joining by ``tcp://`` or ``file://``, with no launcher variable set.
 
 ``--where`` picks the collective the survivors are left waiting in: the step's gradient allreduce, the forward's
 broadcast of BatchNorm buffers, or the random-state gather of a step checkpoint (the victim stops at the end of the
@@ -29,13 +29,13 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--at", type=int, default=3)
     parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint"), default="gradients")
-    parser.add_argument("--tcp", metavar="HOST:PORT", help="join by tcp:// as --rank of --world-size, as an engine "
-                        "that sets no torchrun variable would (Ray Train, a script of one's own)")
+    parser.add_argument("--init-method", metavar="URL", help="join by this tcp:// or file:// URL as --rank of "
+                        "--world-size, as an engine that sets no torchrun variable would (a script of one's own)")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world-size", type=int)
     args = parser.parse_args()
-    if args.tcp:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://{args.tcp}", rank=args.rank,
+    if args.init_method:
+        torch.distributed.init_process_group("gloo", init_method=args.init_method, rank=args.rank,
                                              world_size=args.world_size)
         rank = args.rank
     else:

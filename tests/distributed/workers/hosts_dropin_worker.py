@@ -55,7 +55,7 @@ def main() -> None:
     optimizer = make_optimizer(model)
     ckpt = model.checkpointer(args.ckpt, optimizer, every=2)
     ckpt.resume()
-    attempt = os.environ.get("HETDP_RESTART", "0")
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]  # torch's count, as under torchrun's own restarts
     with model:
         for epoch in range(ckpt.epoch, args.epochs):
             loader.sampler.set_epoch(epoch)

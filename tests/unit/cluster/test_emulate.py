@@ -3,6 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetdp import ConfigError, Emulation, Link
+from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import parse_speeds
 
 
@@ -56,3 +57,15 @@ def test_bad_speeds_are_rejected(text):
 def test_bad_links_are_rejected(kwargs):
     with pytest.raises(ConfigError):
         Link(**kwargs)
+
+
+@pytest.mark.parametrize(("emulation", "says"), [
+    (Emulation(speeds=(1.0, 2.0, 4.0)), r"gives 3 speeds \(HETDP_SPEEDS\) for a group of 4 ranks"),
+    (Emulation(speed_changes=((10, (1.0, 2.0)),)), r"gives 2 speeds from step 10 \(HETDP_SPEED_CHANGES\)"),
+    (Emulation(sample_cost_ms=1.0, devices=(DeviceModel(),) * 2), r"gives 2 device models \(HETDP_DEVICES\)"),
+])
+def test_settings_for_another_number_of_ranks_are_one_config_error(emulation, says):
+    """Under an engine the settings are the environment's, which no `hetdp run` counted against the group."""
+    with pytest.raises(ConfigError, match=says):
+        emulation.pacer(0, 4)
+    Emulation(speeds=(1.0, 2.0, 4.0, 8.0)).pacer(3, 4)

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hetdp.data.loader import AllocatedLoader
+from hetdp.data.steps import StepSampler
 
 # Lightning is imported by the tests, not at collection: every pytest worker collects every module, and Lightning's
 # import alone takes several seconds of CPU.
@@ -38,7 +39,9 @@ def _loader():
 
     data = TensorDataset(torch.arange(10))
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
-    return _ResumableLoader(AllocatedLoader(Model(), loader, global_batch=4))  # type: ignore[arg-type]
+    steps = StepSampler(10, 4, 0, shares_at=Model().shares_at, shuffle=False, seed=0, drop_last=False,
+                        epoch_source=loader.sampler)
+    return _ResumableLoader(AllocatedLoader(Model(), loader, steps))  # type: ignore[arg-type]
 
 
 def test_lightning_keeps_and_restores_the_position_in_the_epoch():

@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hetdp.data.loader import AllocatedLoader
+from hetdp.data.steps import StepSampler
 from hetdp.integrations.steps import LoopLoader
 
 
@@ -41,7 +42,9 @@ def _loop(size: int = 10) -> tuple[LoopLoader, Recorder]:
     data = TensorDataset(torch.arange(size))
     model = Recorder()
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
-    return LoopLoader(AllocatedLoader(model, loader, global_batch=4)), model  # type: ignore[arg-type]
+    steps = StepSampler(size, 4, 0, shares_at=model.shares_at, shuffle=False, seed=0, drop_last=False,
+                        epoch_source=loader.sampler)
+    return LoopLoader(AllocatedLoader(model, loader, steps)), model  # type: ignore[arg-type]
 
 
 def test_batches_fetched_ahead_open_their_steps_only_when_trained_and_in_order():

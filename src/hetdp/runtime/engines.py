@@ -4,17 +4,26 @@ torchrun (and ``hetdp run``) set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and th
 ``MASTER_PORT``. Slurm's ``srun`` sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the step's node list,
 but no store. Kubeflow's PyTorchJob sets ``RANK`` and ``WORLD_SIZE`` per pod, and, with ``nprocPerNode`` above 1,
 expects torchrun in the pod (its ``PET_*`` variables are torchrun's options): ``RANK`` is then the pod's, not the
-process's. Ray Train sets up the process group itself before the training function runs. A pure function of the
-environment, so that each engine's variables are tested in one process.
+process's. Ray Train needs nothing read: its ``TorchConfig`` joins every worker to the process group before the
+training function runs (and sets torchrun's variables for code that reads them). Pure functions of the environment,
+so that each engine's variables are tested in one process.
+
+Beside the placement, where the worker speaks from: the label its node goes by in error messages, and the network
+interface gloo binds to across nodes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
-from collections.abc import Mapping
+import socket
+import warnings
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+import psutil
 
 from hetdp.errors import ConfigError
 
@@ -67,8 +76,8 @@ def placement(environ: Mapping[str, str] | None = None) -> Placement:
     if "RANK" in env and "WORLD_SIZE" in env:
         return _pytorchjob(env)
     raise ConfigError("no launcher's variables (RANK/WORLD_SIZE of torchrun or PyTorchJob, SLURM_PROCID/SLURM_NTASKS "
-                      "of srun): start with `hetdp run -n N script.py`, torchrun or srun; under Ray Train, build the "
-                      "model inside the training function, where Ray has set up the process group")
+                      "of srun): start with `hetdp run -n N script.py`, torchrun or srun; under Ray Train, call it "
+                      "inside the training function, where Ray has set up the process group")
 
 
 def _torchrun(env: Mapping[str, str]) -> Placement:
@@ -150,3 +159,85 @@ def _integer(env: Mapping[str, str], name: str, default: int | None = None) -> i
         return int(text)
     except ValueError:
         raise ConfigError(f"{name} must be an integer, got {text!r}") from None
+
+
+ENV_NODE = "HETDP_NODE"
+"""This node's label in a launch across nodes (``node 1 (10.0.0.2)``), set for its workers by ``hetdp run``."""
+
+
+def node_label() -> str:
+    """Where this worker runs, as error messages name it: its ``hetdp run`` node label, else ``host NAME``."""
+    return os.environ.get(ENV_NODE) or f"host {socket.gethostname()}"
+
+
+def route_to(host: str, port: int) -> tuple[str, str]:
+    """(this machine's address, its interface) on the way to ``host``: what the kernel would send from.
+
+    Raises:
+        ConfigError: ``host`` does not resolve, or no route leads to it.
+    """
+    try:
+        family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(target)  # a datagram socket's connect sends nothing: it only picks the route
+            local = probe.getsockname()[0]
+    except OSError as error:
+        raise ConfigError(f"no route from this node to {host}:{port} ({error.strerror or error})") from error
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == local for entry in addresses):
+            return local, name
+    raise ConfigError(f"this node reaches {host} from {local}, which no interface holds")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_interfaces(chosen: str, interfaces: Collection[str], instead: str) -> None:
+    """Refuse a ``GLOO_SOCKET_IFNAME`` that names an interface this machine lacks (gloo's own error is a C++ enforce
+    failure); ``instead`` says what to do about it.
+
+    Raises:
+        ConfigError: naming the missing interfaces and the machine's own.
+    """
+    unknown = [name for name in chosen.split(",") if name not in interfaces]
+    if unknown:
+        raise ConfigError(f"GLOO_SOCKET_IFNAME names {', '.join(unknown)}, which this node does not have (its "
+                          f"interfaces: {', '.join(sorted(interfaces))}); {instead}")
+
+
+def gloo_interface(place: Placement, environ: Mapping[str, str], interfaces: Collection[str],
+                   route: Callable[[str, int], tuple[str, str]] = route_to) -> str | None:
+    """The interface gloo should speak on, for ``GLOO_SOCKET_IFNAME`` (None: leave gloo its own choice).
+
+    Without one, gloo binds to whatever this machine's hostname resolves to, often 127.0.0.1 or 127.0.1.1 (the
+    hostname's line in /etc/hosts), and a job across nodes hangs until its timeout. Where the ranks span several
+    nodes and the user chose nothing, the interface this node reaches ``MASTER_ADDR`` from is the one the nodes
+    share. One node keeps gloo's choice (loopback serves it), and so does a ``MASTER_ADDR`` that does not resolve
+    yet (a Kubernetes service before its DNS record: the process group's own retries wait for it). A
+    ``MASTER_ADDR`` that resolves to this machine's loopback from a name (node 0's hostname in its /etc/hosts)
+    leaves nothing to pick, and warns: the other nodes cannot reach a gloo bound there.
+
+    Raises:
+        ConfigError: a ``GLOO_SOCKET_IFNAME`` naming an interface this machine lacks.
+    """
+    chosen = environ.get("GLOO_SOCKET_IFNAME")
+    if chosen:
+        check_interfaces(chosen, interfaces, "set it to the interface the nodes share, or unset it")
+        return None
+    if place.local_world_size >= place.world_size or is_loopback(place.master_addr):
+        return None
+    try:
+        local, interface = route(place.master_addr, place.master_port)
+    except ConfigError:
+        return None
+    if is_loopback(local):
+        warnings.warn(f"hetdp: MASTER_ADDR {place.master_addr} resolves to this machine's loopback ({local}), and "
+                      f"the job spans nodes ({place.local_world_size} of {place.world_size} ranks here): the other "
+                      "nodes cannot reach gloo there; set GLOO_SOCKET_IFNAME to the interface the nodes share, or "
+                      "MASTER_ADDR to this node's address on it", stacklevel=3)
+        return None
+    return interface

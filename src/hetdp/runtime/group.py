@@ -11,13 +11,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from hetdp import liveness
-from hetdp.engines import placement
 from hetdp.errors import ConfigError, PeerTimeoutError
 from hetdp.floor import check_framework
+from hetdp.runtime import liveness
+from hetdp.runtime.engines import gloo_interface, placement
+from hetdp.runtime.errorfile import record_uncaught
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +51,32 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     world size).
 
     The placement comes from torchrun's (and ``hetdp run``'s), Slurm ``srun``'s or a PyTorchJob's variables
-    (``hetdp.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
-    ``MASTER_ADDR``...). Under Ray Train the group already exists. The backend defaults to NCCL when every rank on
-    this machine has a GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated
-    workers share a laptop's GPU). A process already in a group keeps it, so library code may call this freely.
+    (``hetdp.runtime.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
+    ``MASTER_ADDR``...). Under Ray Train the group already exists: Ray's ``TorchConfig`` joins every worker before
+    the training function runs, and this returns Ray's rank and world size. Across nodes, gloo speaks on the
+    interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (``engines.gloo_interface``;
+    hetdp's gloo groups under NCCL use it too). The backend defaults to NCCL when every rank on this machine has a
+    GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated workers share a
+    laptop's GPU). A process already in a group keeps it, so library code may call this freely. Under torchrun, a
+    worker's uncaught exception is left in its error file as one line naming its rank, which torchrun's failure
+    summary shows as the root cause (``hetdp.runtime.errorfile``).
 
     Raises:
-        ConfigError: no engine's variables, or incomplete ones (the message names what is missing); in a Ray Train
-            worker, a Ray older than hetdp's floor (``hetdp.floor.FRAMEWORKS``).
+        ConfigError: no engine's variables, or incomplete ones (the message names what is missing); a
+            ``GLOO_SOCKET_IFNAME`` naming an interface this machine lacks; in a Ray Train worker, a Ray older than
+            hetdp's floor (``hetdp.floor.FRAMEWORKS``).
     """
     if dist.is_initialized():
         ray = sys.modules.get("ray")
         if ray is not None and "ray.train" in sys.modules:  # Ray Train made the group: hetdp meets Ray here
             check_framework("ray", ray.__version__, user="hetdp under Ray Train")
         return dist.get_rank(), dist.get_world_size()
+    record_uncaught()
     place = placement()
     os.environ.update(place.environ())  # torch's env:// initialisation, and code that reads LOCAL_RANK, find them
+    interface = gloo_interface(place, os.environ, psutil.net_if_addrs())
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeouts = timeouts or Timeouts()
     _import_dynamo()
     backend = backend or ("nccl" if gpu_per_local_rank() else "gloo")
@@ -174,7 +186,7 @@ def is_peer_failure(error: BaseException) -> bool:
 def peer_failure(rank: int | None, what: str, timeout_s: float, error: BaseException,
                  group: dist.ProcessGroup | None = None) -> PeerTimeoutError:
     """The PeerTimeoutError a collective's failure on ``rank`` becomes: it names the silent or stuck peer when
-    ``group`` has a heartbeat (see ``hetdp.liveness``), else this rank, and the deadline."""
+    ``group`` has a heartbeat (see ``hetdp.runtime.liveness``), else this rank, and the deadline."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     verdict = liveness.diagnose(group)
     if verdict is not None and verdict.culprits:

@@ -22,7 +22,6 @@ import atexit
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hetdp.nodes import this_node
+from hetdp.runtime.engines import node_label
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ class Heartbeat:
         beats = 1
         try:
             self._beat(self._beater, beats)
-            self._beater.set(f"{self._prefix}node/{self.rank}", this_node() or f"host {socket.gethostname()}")
+            self._beater.set(f"{self._prefix}node/{self.rank}", node_label())
         except (dist.DistError, RuntimeError) as error:
             log.warning("rank %d: no heartbeat, the store did not take a beat (%s)", self.ranks[self.rank], error)
             return self

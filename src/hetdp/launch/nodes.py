@@ -1,4 +1,4 @@
-"""One launch across several nodes: where they meet, which interface this node speaks on, which node holds a rank.
+"""One launch across several nodes: where they meet, which interface this node speaks on, what its workers call it.
 
 ``hetdp run --nnodes N --node-rank K --rdzv-endpoint HOST:PORT`` runs torchrun's static rendezvous: node 0
 hosts the store at HOST:PORT, and node K's ranks follow node K-1's, so a rank's node never depends on which node
@@ -11,18 +11,15 @@ with one line instead of torchrun's ten minutes.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
-import socket
 from dataclasses import dataclass
 
 import psutil
 
 from hetdp.errors import ConfigError
+from hetdp.runtime.engines import ENV_NODE, check_interfaces, is_loopback, route_to
 
-ENV_NODE = "HETDP_NODE"
-"""This node's label in a launch across nodes (``node 1 (10.0.0.2)``), set for its workers by the launcher."""
 DEFAULT_PORT = 29500
 """The rendezvous port when ``--rdzv-endpoint`` gives none (torchrun's)."""
 
@@ -49,33 +46,6 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         raise ConfigError(f"--rdzv-endpoint must look like HOST:PORT (node 0's address, a port from 1 to 65535), "
                           f"got {text!r}")
     return host, port
-
-
-def route_to(host: str, port: int) -> tuple[str, str]:
-    """(this machine's address, its interface) on the way to ``host``: what the kernel would send from.
-
-    Raises:
-        ConfigError: ``host`` does not resolve, or no route leads to it.
-    """
-    try:
-        family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind) as probe:
-            probe.connect(target)  # a datagram socket's connect sends nothing: it only picks the route
-            local = probe.getsockname()[0]
-    except OSError as error:
-        raise ConfigError(f"no route from this node to the rendezvous endpoint {host}:{port} "
-                          f"({error.strerror or error})") from error
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(entry.address.split("%")[0] == local for entry in addresses):
-            return local, name
-    raise ConfigError(f"this node reaches {host} from {local}, which no interface holds")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,11 +97,8 @@ class Nodes:
         env = {ENV_NODE: f"node {self.rank} ({local})"}
         chosen = environ.get("GLOO_SOCKET_IFNAME")
         if chosen:
-            unknown = [name for name in chosen.split(",") if name not in psutil.net_if_addrs()]
-            if unknown:
-                raise ConfigError(f"GLOO_SOCKET_IFNAME names {', '.join(unknown)}, which this node does not have "
-                                  f"(its interfaces: {', '.join(sorted(psutil.net_if_addrs()))}); unset it to use "
-                                  f"{interface}, the one that reaches {self.master_addr}")
+            check_interfaces(chosen, psutil.net_if_addrs(),
+                             f"unset it to use {interface}, the one that reaches {self.master_addr}")
         elif self.count > 1:
             env["GLOO_SOCKET_IFNAME"] = interface
         return env
@@ -146,8 +113,3 @@ class Nodes:
                     f"--rdzv-endpoint")
         return (f"node {self.rank}: could not meet node 0 at {endpoint} within {self.join_timeout_s:g} s ({cause}); "
                 f"is node 0 started, is {self.master_addr} its address as this node reaches it, and is the port open?")
-
-
-def this_node() -> str | None:
-    """This worker's node label, in a launch across nodes (None in a one-node launch)."""
-    return os.environ.get(ENV_NODE)
