@@ -105,9 +105,10 @@ def split_batch(progress: StepProgress, samples: int) -> str | None:
     if not (progress.waiting and not progress.updated and 0 < progress.samples < samples):
         return None
     return (f"a forward after a backward under no_sync began the next batch's step (the loop fetched batches ahead), "
-            f"but the step's forwards took {progress.samples} of its {samples} samples: a loop that runs a batch as "
-            "several forwards (micro-batches) says so with model.allocate(..., accumulates=True); else each "
-            "micro-batch after the first trains under a later batch's step")
+            f"but the step's forwards took {progress.samples} of its {samples} samples (as their first arguments' "
+            "leading dimension tells): a loop that runs a batch as several forwards (micro-batches) says so with "
+            "model.allocate(..., accumulates=True); else each micro-batch after the first trains under a later "
+            "batch's step")
 
 
 def accumulated_window(progress: StepProgress, samples: int) -> str | None:
