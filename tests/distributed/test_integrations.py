@@ -16,6 +16,7 @@ from hetdp.cluster.emulate import Emulation
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model  # noqa: E402
+from loops_worker import LR_SUM  # noqa: E402
 from torch_order import global_batches  # noqa: E402
 
 # A module's launches run several scenarios each and take their time on a loaded machine: more than the 300 s a test
@@ -80,7 +81,45 @@ def lightning_first(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], 
     """The launch of the exact scenario, the fit interrupted after a checkpoint and the one under local SGD."""
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lightning")
-    return launch(torchrun, "lightning_worker.py", out, ["exact", "interrupted", "local", "sharded"]), out
+    return launch(torchrun, "lightning_worker.py", out, ["exact", "interrupted", "local", "sharded", "sum",
+                                                         "sharded_sum"]), out
+
+
+def summed_reference(size: int, global_batch: int, seed: int, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """What plain DDP (or FSDP2) trains at equal shares with a summed loss, in one process on the global batches in the
+    order of a sampler seeded ``seed`` (torch's ``randperm``, seed + epoch): each step the sum over the global batch
+    over the ranks (DDP averages the ranks' sums); SGD."""
+    model = make_model(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR_SUM)
+    data = Pairs(size)
+    for epoch in range(epochs):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
+        for first in range(0, size, global_batch):
+            index = order[first : first + global_batch]
+            (nn.functional.cross_entropy(model(data.x[index]), data.y[index], reduction="sum") / RANKS).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.state_dict()
+
+
+def assert_trains_summed(path: Path, seed: int) -> None:
+    expected = summed_reference(50, 16, seed)
+    for name, tensor in torch.load(path).items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5, msg=name)
+
+
+UNEQUAL_BLOCKS = [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]] + [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]]
+"""Static shares 1:2:3:2 of 16 samples, 50 samples an epoch: a last step of 2 where ranks 0 and 3 run stand-ins."""
+
+
+@pytest.mark.parametrize("scenario", ["sum", "sharded_sum"])
+def test_lightning_strategies_train_a_summed_loss_at_unequal_shares_as_plain_ddp_at_equal_ones(lightning_first,
+                                                                                               scenario):
+    # HetdpStrategy(loss="sum") and HetdpShardedStrategy(loss="sum"): each rank's sum weighed 1 / ranks, as plain
+    # DDP and FSDP2 average; weighed by its samples (the per-rank mean's weights), unequal shares would train another.
+    results, out = lightning_first
+    assert results[scenario][0]["blocks"] == UNEQUAL_BLOCKS and results[scenario][0]["epochs"] == 2
+    assert_trains_summed(out / f"lightning_{scenario}.pt", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +250,7 @@ def accelerate_runs(tmp_path_factory, torchrun) -> tuple[dict[str, list[dict]], 
     paces), then adaptive shares."""
     pytest.importorskip("accelerate")
     out = tmp_path_factory.mktemp("accelerate")
-    return launch(torchrun, "accelerate_worker.py", out, ["exact", "emulated"], env=EMULATION.to_env()), out
+    return launch(torchrun, "accelerate_worker.py", out, ["exact", "emulated", "sum"], env=EMULATION.to_env()), out
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +291,13 @@ def test_accelerate_adaptive_shares_follow_the_emulated_speeds_within_the_first_
     assert result["speeds"] == [1.0, 1.0, 2.0, 4.0] and result["replans"], result
     for share, ideal in zip(result["shares"], [16, 16, 32, 64]):
         assert abs(share - ideal) <= 0.2 * ideal, result["shares"]
+
+
+def test_accelerate_trains_a_summed_loss_at_unequal_shares_as_plain_ddp_at_equal_ones(accelerate_runs):
+    # Accelerator(loss="sum"): each rank's sum weighed 1 / ranks, as Accelerate's DDP averages.
+    results, out = accelerate_runs
+    assert results["sum"][0]["blocks"] == UNEQUAL_BLOCKS
+    assert_trains_summed(out / "accelerate_sum.pt", seed=results["sum"][0]["seed"])
 
 
 def lm_reference(size: int, global_batch: int, epochs: int, every: int, shifted: bool, seed: int

@@ -48,6 +48,8 @@ class Allocating:
     _sitting: SitOut | None
     """Under allreduce, who takes part in each step's exchange: the allocation decides who sits out."""
     steps_done: int
+    _accumulates: bool = False
+    """Whether the loop may run a batch as several forwards (``allocate(..., accumulates=True)``)."""
 
     def allocate(self, loader: DataLoader, *, global_batch: int | None = None, shuffle: bool | None = None,
                  seed: int | None = None, max_batch: int | Sequence[int | None] | Literal["measure"] | None = None,
@@ -126,6 +128,7 @@ class Allocating:
                 minimum=least if global_batch >= least * self.world_size else 0,
                 dataset_size=order.size, caps=bounds, chunks=None if balance else caps,
                 membership=self._sitting is not None))
+            self._accumulates = accumulates
         elif self.allocator.total != global_batch:
             raise ConfigError(f"this model already allocates steps of {self.allocator.total} samples, "
                               f"not {global_batch}: one global batch per model")

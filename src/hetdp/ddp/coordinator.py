@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
@@ -24,6 +25,7 @@ from hetdp.checkpoint.checkpointer import CheckpointState
 from hetdp.cluster.emulate import Emulation
 from hetdp.data.steps import StepTicket
 from hetdp.ddp.allocating import Allocating
+from hetdp.ddp.windows import StepProgress, accumulated_window, batch_samples, fed_by_a_model, split_batch
 from hetdp.errors import ConfigError
 from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.gather import Planner
@@ -94,6 +96,10 @@ class StepCoordinator(Allocating, CheckpointState):
         """Whether the allocated loader yielded its epoch's last batch while steps of it had not closed yet."""
         self._left_open = False
         """Whether the open step is one a loop that broke off left: the next batch yielded opens its own."""
+        self._progress = StepProgress()
+        """What the loop did in the open step since its backward: whether its batch is done (``windows``)."""
+        self._parameter_ids: frozenset[int] | None = None
+        """The ids of the module's parameters, which an optimizer that takes its update holds (once one stepped)."""
         self._optimizer_hook = register_optimizer_step_post_hook(
             functools.partial(_optimizer_stepped, weakref.ref(self)))
         weakref.finalize(self, self._optimizer_hook.remove)
@@ -110,9 +116,14 @@ class StepCoordinator(Allocating, CheckpointState):
 
     @property
     def step_samples(self) -> int | None:
-        """This rank's samples in the open step (None outside one). 0: its batch is a stand-in that trains nothing
-        (it sits out, or a short last step has none for it); leave it out of samples seen and accuracy."""
-        return None if self._steps.open is None else self._steps.open.ticket.samples
+        """This rank's samples in the batch the loop trains (None outside a step), read before its forward or after.
+        0: its batch is a stand-in that trains nothing (it sits out, or a short last step has none for it); leave it
+        out of samples seen and accuracy."""
+        if self._steps.open is None:
+            return None
+        if self._ahead and self._progress.done(self._accumulates):  # the loop moved on to the next batch it fetched
+            return self._ahead[0].samples
+        return self._steps.open.ticket.samples
 
     def _first_warning(self, key: str) -> bool:
         """Whether the warning ``key`` is due: on rank 0, the first time (one line a run, not one a rank)."""
@@ -147,6 +158,7 @@ class StepCoordinator(Allocating, CheckpointState):
         total = ticket.total if total is None else total
         wanted = any(listener.meets_after(self.steps_done + 1) for listener in self._listeners)
         self._open_step(ticket, total, meets=self._planner.meets_after(ticket, wanted))
+        self._progress = StepProgress()
         StepCoordinator.steps_in_process += 1
 
     # --- steps bound to their batches: the allocated loader's side of the lifecycle -------------------------------
@@ -183,6 +195,50 @@ class StepCoordinator(Allocating, CheckpointState):
             self._close_bound()
         self._ahead.clear()
         self._left_open = self._steps.open is not None  # the pass's first step replaces it, its figures dropped
+
+    # --- a loop that trains a window of batches it fetched, with no fetch between them (``windows``) ------------
+
+    @property
+    def _leader(self) -> StepCoordinator:
+        """The model whose allocated loader cuts this model's steps: itself, unless it follows another."""
+        return self
+
+    def _training_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], synchronizing: bool = True) -> None:
+        """A forward with gradients begins (``synchronizing``: outside ``no_sync``). Where the loop fetched batches
+        ahead and this model's batch in the open step is done (``StepProgress.done``), the loop trains the next batch
+        it fetched: that batch's step begins here, unless another model's output feeds this forward (a GAN's
+        discriminator on the generator's output, part of the step under way)."""
+        leader, progress, open_step = self._leader, self._progress, self._steps.open
+        if leader._ahead and progress.backward and open_step is not None:
+            accumulates = leader._accumulates
+            if progress.done(accumulates) and not fed_by_a_model((args, kwargs)):
+                leader._warn_once("split", split_batch(progress, open_step.ticket.samples))
+                leader._close_bound()
+                progress = self._progress
+            elif accumulates:
+                leader._warn_once("accumulated", accumulated_window(progress, open_step.ticket.samples))
+        progress.forward(batch_samples(args, kwargs), synchronizing)
+
+    def _backward_ran(self, waiting: bool | None = None) -> None:
+        """A backward through this model's forwards of the open step ran; ``waiting``: it left its gradients waiting
+        (None: as the forward before it said)."""
+        progress = self._progress
+        progress.backward_ended(self.module.parameters(),
+                                waiting=not progress.synchronizing if waiting is None else waiting)
+
+    def _optimizer_step_seen(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer stepped (torch's global hook): whether it took this model's update."""
+        if self._progress.backward:
+            if self._parameter_ids is None:
+                self._parameter_ids = frozenset(id(p) for p in self.module.parameters())
+            held = self._parameter_ids
+            self._progress.optimizer_stepped(any(id(p) in held for group in optimizer.param_groups
+                                                 for p in group["params"]))
+
+    def _warn_once(self, key: str, message: str | None) -> None:
+        """Warn ``message`` (if any) once a run, from rank 0 (``_first_warning``)."""
+        if message is not None and self._first_warning(key):
+            warnings.warn(f"hetdp: {message}", stacklevel=6)
 
     def _close_bound(self) -> None:
         """Close the open step, then open the next one whose batch was yielded, or end the epoch after its last."""
@@ -267,7 +323,10 @@ def _optimizer_stepped(ref: weakref.ref[StepCoordinator], optimizer: torch.optim
     a forward ran in it (weakly held: the hook is global). Earlier steps close as the loop asks for the next batch,
     after the whole loop body (a scheduler's step, a checkpoint's state)."""
     model = ref()
-    if model is None or not model._exhausted:
+    if model is None:
+        return
+    model._optimizer_step_seen(optimizer)
+    if not model._exhausted:
         return
     open_step = model._steps.open
     if open_step is not None and open_step.started:

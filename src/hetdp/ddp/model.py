@@ -32,6 +32,7 @@ from hetdp.ddp.follow import Followers, check_follows, check_place
 from hetdp.ddp.hook import HookState, buffer_options, comm_hook, loss_convention, progress, synchronizer
 from hetdp.ddp.seams import SeamParts, seam
 from hetdp.ddp.step import StepRunner, rebuild_buckets, warn_unstepped
+from hetdp.ddp.windows import BackwardEnd
 from hetdp.errors import ConfigError
 from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
@@ -155,6 +156,8 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
             warnings.warn(f"hetdp.DDP: {mix}", stacklevel=2)
         self._followers: Followers[DistributedDataParallel] = Followers()
         self._follows = follow is not None
+        self._leading = None if follow is None else weakref.ref(follow)
+        self._backward_end = BackwardEnd(functools.partial(_backward_ended, weakref.ref(self)))
         if follow is not None:
             follow._followers.add(self)
 
@@ -176,19 +179,29 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
             self._seam.route(self, ticket)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._steps.open is not None and torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if training and self._steps.open is not None:
+            self._training_forward(inputs, kwargs, self.require_backward_grad_sync)  # may open the next batch's step
             self._steps.forward(self.require_backward_grad_sync, functools.partial(
                 rebuild_buckets, self, self.step_timeout_s, self._group))
-        elif (torch.is_grad_enabled() and self.module.training and not self._follows
-              and self._first_warning("unstepped")):
+        elif training and self.module.training and not self._follows and self._first_warning("unstepped"):
             warn_unstepped()
         if self._seam is not None and self._steps.open is not None and self._seam.shortcut(self):
-            return self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange (seams.py)
-        # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
-        broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
-                     if self.will_sync_module_buffers() else contextlib.nullcontext())
-        with broadcast, weighing_nothing(self.module) if self._steps.stand_in() else contextlib.nullcontext():
-            return super().forward(*inputs, **kwargs)
+            output = self._seam.forward(self, super().forward, inputs, kwargs)  # nothing to exchange (seams.py)
+        else:
+            # torch's DDP may broadcast rank 0's buffers (BatchNorm's) as a forward starts: a collective too
+            broadcast = (peer_failures("the forward's buffer broadcast", self.step_timeout_s, self._group)
+                         if self.will_sync_module_buffers() else contextlib.nullcontext())
+            with broadcast, weighing_nothing(self.module) if self._steps.stand_in() else contextlib.nullcontext():
+                output = super().forward(*inputs, **kwargs)
+        if training and self._steps.open is not None and self._leader._ahead:  # a loop that fetched batches ahead
+            self._backward_end.watch(output)
+        return output
+
+    @property
+    def _leader(self) -> DistributedDataParallel:
+        leader = None if self._leading is None else self._leading()
+        return self if leader is None else leader
 
     def _close_step(self) -> EndedStep | None:
         return self._steps.end()
@@ -260,6 +273,13 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
     def __repr__(self) -> str:
         return (f"hetdp.DDP(allocation={self.allocation.describe()}, sync={self.sync.describe()}, "
                 f"rank={self.rank}/{self.world_size}, shares={self.shares}, steps={self.steps_done})")
+
+
+def _backward_ended(ref: weakref.ref[DistributedDataParallel]) -> None:
+    """A backward through a model's output ran (weakly held: the hook lives on in the output's graph)."""
+    model = ref()
+    if model is not None and model._steps.open is not None:
+        model._backward_ran()
 
 
 DDP = DistributedDataParallel

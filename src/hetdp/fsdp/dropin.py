@@ -179,7 +179,7 @@ class ShardedDropIn(StepCoordinator):
         self._tops = [unit for unit in self.units if not any(other is not unit and _holds(other, unit)
                                                              for other in self.units)]
         self._handles = [handle for unit in self._tops for handle in (
-            unit.register_forward_pre_hook(self._forward_starts, prepend=True),
+            unit.register_forward_pre_hook(self._forward_starts, prepend=True, with_kwargs=True),
             unit.register_forward_hook(self._forward_ended))]
         self._coordinate(root, EveryStep(), group, settings.metrics, functools.partial(_progress, weakref.ref(self)))
         if (mix := batch_statistics_mix(root, self.loss)) is not None and self._first_warning("batch statistics"):
@@ -214,10 +214,13 @@ class ShardedDropIn(StepCoordinator):
         self.weighing.step = part / of
         self._steps.open = _OpenStep(ticket)
 
-    def _forward_starts(self, unit: nn.Module, args: Any) -> None:
-        """A top unit's forward begins (before FSDP2 gathers it): the step's first starts its clock."""
+    def _forward_starts(self, unit: nn.Module, args: Any, kwargs: Any) -> None:
+        """A top unit's forward begins (before FSDP2 gathers it): the step's first starts its clock; in a loop that
+        fetched batches ahead it may begin the next batch's step first (``_training_forward``)."""
         if not torch.is_grad_enabled() or self._probing:
             return
+        if unit is self._tops[0] and self._steps.open is not None:
+            self._training_forward(args, kwargs, self.weighing.syncing)
         step = self._steps.open
         if step is None:
             if unit.training and self._first_warning("unstepped"):
@@ -261,6 +264,8 @@ class ShardedDropIn(StepCoordinator):
                           "sharded is not seen, and gradients that wait are then weighed wrong; shard every unit "
                           "with hetdp.fully_shard", stacklevel=2)
         self.weighing.backward_ended()
+        if self._steps.open is not None and self._ahead:  # a loop that fetched batches ahead
+            self._backward_ran(waiting=not self.weighing.syncing)
 
     def gradient_sync(self, syncing: bool) -> None:
         """The loop turned the gradients' reduction on or off (``set_requires_gradient_sync``)."""

@@ -16,6 +16,7 @@ from hetdp.errors import ConfigError
 from hetdp.figures.metrics import MetricsConfig
 from hetdp.floor import check_framework
 from hetdp.integrations.steps import LoopLoader
+from hetdp.sync.base import LossConvention, check_loss
 from hetdp.sync.policy import SyncPolicy
 
 try:
@@ -65,13 +66,18 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, allocation: str | AllocationPolicy | None = None,
                  sync: str | SyncPolicy | None = None, step_timeout_s: float = 60.0,
-                 metrics: MetricsConfig | None = None, **kwargs: Any) -> None:
-        """Args: ``allocation``, ``sync``, ``step_timeout_s`` and ``metrics`` as ``hetdp.DDP`` takes them (None:
-        ``hetdp run``'s ``--allocation`` / ``--sync``, else adaptive and allreduce); the rest as Accelerate's
-        ``Accelerator`` takes them."""
+                 metrics: MetricsConfig | None = None, loss: LossConvention = "mean", **kwargs: Any) -> None:
+        """Args: ``allocation``, ``sync``, ``step_timeout_s``, ``metrics`` and ``loss`` as ``hetdp.DDP`` takes them
+        (None: ``hetdp run``'s ``--allocation`` / ``--sync``, else adaptive and allreduce; ``loss``: what the loop's
+        loss is, ``"mean"`` over the rank's batch by default, ``"sum"`` or ``"global_mean"``, so that unequal shares
+        give plain DDP's update at equal shares); the rest as Accelerate's ``Accelerator`` takes them.
+
+        Raises:
+            ConfigError: a ``loss`` that names no convention.
+        """
         super().__init__(*args, **kwargs)
         self.hetdp_options = {"allocation": allocation, "sync": sync, "step_timeout_s": step_timeout_s,
-                              "metrics": metrics}
+                              "metrics": metrics, "loss": check_loss(loss)}
         self.hetdp_model: DistributedDataParallel | None = None
         """The model wrapped in ``hetdp.DDP`` by ``prepare``: its shares, epoch reports and diagnosis."""
 

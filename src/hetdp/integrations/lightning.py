@@ -2,8 +2,8 @@
 ``HetdpShardedStrategy``, Lightning's FSDP2 path (``ModelParallelStrategy``), with the sharded drop-in.
 
 Importing this module registers the strategy names ``"hetdp"`` and ``"hetdp_fsdp"``; ``HetdpStrategy(allocation=...,
-sync=...)`` and ``HetdpShardedStrategy(allocation=...)`` take the drop-ins' settings. Launch with torchrun or
-``hetdp run``, whose emulation reaches them with no code.
+sync=..., loss=...)`` and ``HetdpShardedStrategy(allocation=..., loss=...)`` take the drop-ins' settings. Launch with
+torchrun or ``hetdp run``, whose emulation reaches them with no code.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.floor import check_framework
 from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
 from hetdp.integrations.steps import LoopLoader
+from hetdp.sync.base import LossConvention, check_loss
 from hetdp.sync.policy import SyncPolicy
 
 try:
@@ -87,15 +88,23 @@ class HetdpStrategy(_SampleMeans, DDPStrategy):
     strategy_name = "hetdp"
 
     def __init__(self, allocation: str | AllocationPolicy | None = None, sync: str | SyncPolicy | None = None, *,
-                 step_timeout_s: float = 60.0, metrics: MetricsConfig | None = None, **kwargs: Any) -> None:
-        """Args: ``allocation``, ``sync``, ``step_timeout_s`` and ``metrics`` as ``hetdp.DDP`` takes them (None:
-        ``hetdp run``'s ``--allocation`` / ``--sync``, else adaptive and allreduce); ``kwargs`` as
-        ``DDPStrategy`` takes them (its DDP options go to ``hetdp.DDP``)."""
+                 step_timeout_s: float = 60.0, metrics: MetricsConfig | None = None, loss: LossConvention = "mean",
+                 **kwargs: Any) -> None:
+        """Args: ``allocation``, ``sync``, ``step_timeout_s``, ``metrics`` and ``loss`` as ``hetdp.DDP`` takes them
+        (None: ``hetdp run``'s ``--allocation`` / ``--sync``, else adaptive and allreduce; ``loss``: what
+        ``training_step``'s loss is, ``"mean"`` over the rank's batch by default, ``"sum"`` or ``"global_mean"``, so
+        that unequal shares give plain DDP's update at equal shares); ``kwargs`` as ``DDPStrategy`` takes them (its
+        DDP options go to ``hetdp.DDP``).
+
+        Raises:
+            ConfigError: a ``loss`` that names no convention.
+        """
         super().__init__(**kwargs)
         self.allocation = allocation
         self.sync = sync
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics
+        self.loss = check_loss(loss)
         self.loader: _ResumableLoader | None = None
         """The training loader as re-cut, once Lightning asked for it."""
         self._resumed: dict[str, Any] | None = None
@@ -106,7 +115,7 @@ class HetdpStrategy(_SampleMeans, DDPStrategy):
         stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else contextlib.nullcontext()
         with stream:  # as DDPStrategy does
             return _LightningDDP(model, self.allocation, self.sync, step_timeout_s=self.step_timeout_s,
-                                 metrics=self.metrics, device_ids=device_ids, **self._ddp_kwargs)
+                                 metrics=self.metrics, loss=self.loss, device_ids=device_ids, **self._ddp_kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -192,13 +201,20 @@ class HetdpShardedStrategy(_SampleMeans, ModelParallelStrategy):
     strategy_name = "hetdp_fsdp"
 
     def __init__(self, allocation: str | AllocationPolicy | None = None, *, step_timeout_s: float = 60.0,
-                 metrics: MetricsConfig | None = None, **kwargs: Any) -> None:
-        """Args: ``allocation``, ``step_timeout_s`` and ``metrics`` as ``hetdp.fully_shard`` takes them; ``kwargs`` as
+                 metrics: MetricsConfig | None = None, loss: LossConvention = "mean", **kwargs: Any) -> None:
+        """Args: ``allocation``, ``step_timeout_s``, ``metrics`` and ``loss`` as ``hetdp.fully_shard`` takes them
+        (``loss``: what ``training_step``'s loss is, ``"mean"`` over the rank's batch by default, ``"sum"`` or
+        ``"global_mean"``, so that unequal shares give FSDP2's update at equal shares); ``kwargs`` as
         ``ModelParallelStrategy`` takes them (``data_parallel_size`` defaults to every rank, ``tensor_parallel_size``
-        to 1: the drop-in shards over every rank)."""
+        to 1: the drop-in shards over every rank).
+
+        Raises:
+            ConfigError: a ``loss`` that names no convention, a ``step_timeout_s`` that is not positive.
+        """
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
-        self.settings = DropInSettings(allocation=allocation, step_timeout_s=step_timeout_s, metrics=metrics)
+        self.settings = DropInSettings(allocation=allocation, step_timeout_s=step_timeout_s, metrics=metrics,
+                                       loss=loss)
         self.drop_in: ShardedDropIn | None = None
         self.loader: _ResumableLoader | None = None
         """The training loader as re-cut, once Lightning asked for it."""

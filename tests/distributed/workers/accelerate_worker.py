@@ -3,7 +3,8 @@ one after another in each process.
 
 "exact": unequal static shares, AdamW with clipping when gradients sync, two batches accumulated per optimizer step
 through ``accelerator.accumulate``, a last step of 2 samples for 4 ranks, and an evaluation loader gathered with
-``gather_for_metrics``. "emulated": adaptive shares under ``hetdp run``'s emulation (the environment).
+``gather_for_metrics``. "emulated": adaptive shares under ``hetdp run``'s emulation (the environment). "sum": a
+summed loss (``Accelerator(loss="sum")``) at unequal static shares, SGD.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from dropin_worker import Pairs, make_model
+from loops_worker import LR_SUM
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -74,6 +76,21 @@ def run(scenario: str, out: Path) -> tuple[Accelerator, dict]:
         ddp = accelerator.hetdp_model
         report = ddp.epoch_reports[0]
         result = {"shares": report.shares, "replans": report.replans, "speeds": list(ddp.emulation.speeds)}
+    elif scenario == "sum":
+        accelerator = Accelerator(cpu=True, allocation=hetdp.Static((1.0, 2.0, 3.0, 2.0)), loss="sum")
+        net = make_model(7 + accelerator.process_index)
+        optimizer = torch.optim.SGD(net.parameters(), lr=LR_SUM)
+        loader = DataLoader(Pairs(50), batch_size=4, shuffle=True)
+        model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+        for _ in range(2):
+            for batch in loader:
+                accelerator.backward(nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="sum"))
+                optimizer.step()
+                optimizer.zero_grad()
+        ddp = accelerator.hetdp_model
+        if accelerator.is_main_process:
+            torch.save(ddp.module.state_dict(), out / "accelerate_sum.pt")
+        result = {"blocks": [f.shares for f in ddp.step_figures], "seed": loader.sampler.seed}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     return accelerator, result

@@ -9,7 +9,8 @@ saved; "resumed": a new launch that resumes it with ``ckpt_path``; "local": the 
 (replicas apart until the epoch ends), each rank comparing its parameters with the checkpoint. "emulated": adaptive
 shares under ``hetdp run``'s emulation (the environment), saved after the fit and resumed for a second epoch.
 "sharded": Lightning's FSDP2 path (``fully_shard`` in ``configure_model``) under ``strategy="hetdp_fsdp"`` at unequal
-static shares, with clipping, against one process (tests/distributed/test_sharded.py's reference). Rank 0 (or every
+static shares, with clipping, against one process (tests/distributed/test_sharded.py's reference). "sum" and
+"sharded_sum": a summed loss (``loss="sum"``) at unequal static shares through each strategy, SGD. Rank 0 (or every
 rank) saves what the test checks.
 """
 
@@ -24,6 +25,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from dropin_worker import Pairs, make_model
+from loops_worker import LR_SUM
 from sharded_worker import BATCH, SEED, full_state, loss_of, make_optimizer, sequences
 from sharded_worker import make_model as make_language_model
 from torch import nn
@@ -99,6 +101,44 @@ class Sharded(L.LightningModule):
 
     def configure_optimizers(self):
         return make_optimizer(self.net, "adamw")
+
+
+class SummedLoss(L.LightningModule):
+    """``make_model``'s classifier whose loss is the sum over the rank's batch (``loss="sum"``), SGD; ``sharded``: its
+    layers and itself sharded by torch's ``fully_shard`` where Lightning expects it."""
+
+    def __init__(self, sharded: bool) -> None:
+        super().__init__()
+        self.net = make_model(7 + (0 if sharded else int(os.environ["RANK"])))  # FSDP2 shards what each rank holds
+        self.sharded = sharded
+
+    def configure_model(self) -> None:
+        if self.sharded:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch["x"]), batch["y"], reduction="sum")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR_SUM)
+
+
+def fit_summed(sharded: bool) -> tuple[L.Trainer, SummedLoss]:
+    """2 epochs of 50 samples, 4 a rank, in the order of a ``DistributedSampler`` seeded 3; static shares 1:2:3:2."""
+    allocation = hetdp.Static((1.0, 2.0, 3.0, 2.0))
+    strategy = (HetdpShardedStrategy(allocation, loss="sum") if sharded else HetdpStrategy(allocation, loss="sum"))
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=2,
+                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    data = Pairs(50)
+    sampler = DistributedSampler(data, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+                                 seed=3)
+    model = SummedLoss(sharded)
+    trainer.fit(model, DataLoader(data, batch_size=4, sampler=sampler))
+    return trainer, model
 
 
 class StopAfter(Callback):
@@ -189,6 +229,14 @@ def run(scenario: str, out: Path) -> dict:
             torch.save(state, out / "lightning_sharded.pt")
         return {"blocks": [f.shares for f in drop_in.step_figures], "shares": drop_in.shares,
                 "epochs": len(drop_in.epoch_reports), "closed": drop_in._group is None}
+    if scenario in ("sum", "sharded_sum"):
+        sharded = scenario == "sharded_sum"
+        trainer, model = fit_summed(sharded)
+        drop_in = trainer.strategy.loader.model
+        state = full_state(model.net)
+        if trainer.global_rank == 0:
+            torch.save(state, out / f"lightning_{scenario}.pt")
+        return {"blocks": [f.shares for f in drop_in.step_figures], "epochs": len(drop_in.epoch_reports)}
     raise SystemExit(f"unknown scenario {scenario}")
 
 
