@@ -26,14 +26,18 @@ def test_the_fixed_cost_table_is_the_issues_case():
     assert step_time_of(rows, min_max_shares(rows, global_batch, minimum=1)) == pytest.approx(143.0)
 
 
-def test_efficiency_is_the_ideal_over_the_modelled_steady_step():
+def test_the_modelled_efficiency_reads_the_device_model_and_the_measured_one_the_wall_clock():
     cluster, global_batch = table("fixed-costs")
     ideal, slower = [23, 23, 40, 42], [32, 32, 32, 32]
-    steps = [{"shares": slower, "compute_s": [0.2] * 4}] * 4 + [{"shares": ideal, "compute_s": [0.15] * 4}] * 4
-    raw = {"runs": {"paper": steps, "piecewise": steps}, "replans": {"paper": 1, "piecewise": 1}}
+    early = {"shares": slower, "compute_s": [0.2] * 4, "wait_s": [0.0] * 4, "wall_s": 0.3}
+    steady = {"shares": ideal, "compute_s": [0.15] * 4, "wait_s": [0.007, 0.004, 0.01, 0.02], "wall_s": 0.16}
+    raw = {"runs": {"paper": [early] * 4 + [steady] * 4, "piecewise": [early] * 4 + [steady] * 4},
+           "replans": {"paper": 1, "piecewise": 1}}
     figures = summarize_table(cluster, global_batch, raw, "note")["rules"]["paper"]
-    assert figures["efficiency"] == pytest.approx(1.0) and figures["final_shares"] == ideal
-    assert figures["efficiency_measured"] == pytest.approx(143.0 / 150.0)
+    assert figures["efficiency_modelled"] == pytest.approx(1.0) and figures["final_shares"] == ideal
+    # the ideal step (143 ms) plus the exchange the run measured (the least wait, 4 ms), over the steps' 160 ms
+    assert figures["exchange_ms"] == pytest.approx(4.0) and figures["measured_ms"] == pytest.approx(160.0)
+    assert figures["efficiency_measured"] == pytest.approx(147.0 / 160.0)
 
 
 def test_bad_flags_exit_2_with_one_line(capsys):

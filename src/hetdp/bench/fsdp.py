@@ -1,58 +1,56 @@
-"""``hetdp bench fsdp``: the sharded drop-in (``hetdp.fully_shard``) on emulated unequal devices.
+"""``hetdp bench fsdp``: the sharded drop-in (``hetdp.fully_shard``) on emulated unequal devices, and against torch.
 
 One launch of 4 ranks over gloo trains the reference FSDP2 script's model
-(``bench.models.TinyLM``, sharded block by block, then the root) at speeds
-1,1,2,4, with SGD + momentum (its state sharded too) and clipping, an epoch of
-each run in turn (a loaded machine's slow spells fall on all of them alike):
+(``bench.models.TinyLM``, sharded block by block, then the root) with SGD +
+momentum (its state sharded too) and clipping. Every ratio is of whole epochs on
+one clock, the sides an epoch each in turn (``bench.compare``):
 
-* equal and adaptive shares of the sharded drop-in: ``speedup_vs_equal``;
-* hetdp.DDP (adaptive) on the same model and emulation: ``vs_ddp``, the sharded
-  epoch time over the replicated one;
+* at emulated speeds 1,1,2,4 and a fixed ``--sample-cost-ms`` (a device model given,
+  never chosen from the ratio it gives): adaptive against equal shares of the
+  sharded drop-in, ``speedup_vs_equal``, beside its ``ideal_speedup`` (the equal
+  run less the compute balanced shares would save, at the compute per sample each
+  rank measured: the exchange stays as measured) and their ratio, ``efficiency``;
+  and ``vs_ddp``, the sharded epoch over ``hetdp.DDP``'s on the same emulation;
+* unemulated, every rank alike: the drop-in at equal shares against torch's own
+  ``fully_shard`` on the same model, data and loop, ``vs_fully_shard`` (its epoch
+  over torch's; ideal 1);
 * the adaptive run's parameters against one process on the same global batches
   (``param_gap``), and the bytes each rank holds of the parameters, gradients and
   optimizer state against a replica's (``state_bytes_per_rank``);
-* an adaptive run whose fastest rank's emulated device has memory for ``CAP``
-  samples beside its shard (``caps``, ``capped_shares``).
+* an adaptive run whose fastest rank's emulated device has ``CAPPED_MEMORY_MB`` of
+  memory: the cap the drop-in finds (``caps``, ``capped_shares``), checked against
+  the memory that rank actually holds in each step (``held``: its state's tensors at
+  the step's start and the peak of those the step allocates, counted as torch
+  allocates them, ``bench.held``), not against the drop-in's own arithmetic.
 
-The sample cost is calibrated so that the emulated devices, not the host, set
-the pace: the fastest device's block is ``HEADROOM`` times the host's real
-compute of it, and the slowest device's adaptive block ``EXCHANGE_MULTIPLE`` times
-what a step measured beyond its block (FSDP2 runs two to three collectives a unit
-a step, and on a shared 2-core host each costs a few scheduler quanta, beside the
-optimizer's and the loop's own work). Run as a module
-under torchrun it is the worker; imported, it is the benchmark.
+Run as a module under torchrun it is the worker; imported, it is the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hetdp.bench.compare import alternate, exchange_s, ideal, per_sample_s, plain_row, report_row, steady_s
+from hetdp.bench.held import HeldBytes, state_bytes
 from hetdp.bench.models import TinyLM, next_token_loss, token_sequences
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.devices import DeviceModel
 from hetdp.cluster.emulate import Emulation
-from hetdp.cluster.memory import saved_tensor_bytes, storage_bytes
-from hetdp.cluster.probe import median_batch_s
-from hetdp.data.steps import StepSampler
+from hetdp.cluster.memory import saved_tensor_bytes
 from hetdp.ddp.model import DistributedDataParallel
 from hetdp.errors import ConfigError
-from hetdp.fsdp.dropin import unit_options
-from hetdp.fsdp.memory import footprint, unit_shapes
 from hetdp.fsdp.shard import fully_shard
 from hetdp.launch import EventWriter
 from hetdp.report import format_table
@@ -61,81 +59,133 @@ from hetdp.runtime import init_distributed
 SPEEDS = (1.0, 1.0, 2.0, 4.0)
 BATCH = 16
 """Samples per rank per step under equal shares: a global batch of 64."""
-SIZES = {"quick": {"samples": 384, "epochs": 2}, "full": {"samples": 1280, "epochs": 3}}
-"""Samples (6 and 20 steps an epoch) and epochs per run."""
-HEADROOM = 2.0
-"""The fastest device's emulated block over the host's real compute of it."""
-EXCHANGE_MULTIPLE = 4.0
-"""The slowest device's adaptive block over what a step measured beyond its block (X: collectives and host work): at
-4, the ideal 2.0x speedup over equal shares reads as (16 c + X) / (8 c + X) = 1.8x with X in both."""
-CAP = 20
-"""Samples the fastest rank's emulated memory holds beside its shard in the capped run (its speed would take 32)."""
+SIZES = {"quick": {"samples": 384, "epochs": 3, "plain_epochs": 8},
+         "full": {"samples": 1280, "epochs": 5, "plain_epochs": 16}}
+"""Samples (6 and 20 steps an epoch), epochs of each emulated run and of each run against torch's ``fully_shard``."""
+WARMUP = 1
+"""Epochs of every run dropped before its steady figure: the first settles the shares (and sets FSDP2 up)."""
+SAMPLE_COST_MS = 10.0
+"""Emulated milliseconds a sample costs at speed 1: the fastest device's block of 32 samples (80 ms) stays above the
+host's real compute of it (about 1.4 ms a sample on one core here), so the emulated devices set the pace."""
+CAPPED_MEMORY_MB = 12.0
+"""The capped run's fastest device: its memory, in MB (TinyLM's activations take about half a MB a sample)."""
+CAPPED_EPOCHS = 2
+"""Epochs of the capped run: its shares settle within the first, the second runs at them."""
 LR = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, help="epochs per run (default 3, quick 2); the last one is timed")
-    parser.add_argument("--sample-cost-ms", type=float,
-                        help="emulated ms per sample at speed 1 (default: calibrated on this machine)")
+    parser.add_argument("--epochs", type=int,
+                        help="epochs per emulated run (default 5, quick 3); the first is warm-up")
+    parser.add_argument("--sample-cost-ms", type=float, default=SAMPLE_COST_MS,
+                        help=f"emulated ms per sample at speed 1 (default {SAMPLE_COST_MS:g})")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = SIZES["quick" if args.quick else "full"]
     epochs = args.epochs or size["epochs"]
-    if epochs < 2:
-        raise ConfigError(f"--epochs must be >= 2 (the first settles the shares), got {epochs}")
-    if args.sample_cost_ms is not None and not args.sample_cost_ms > 0:
+    if epochs <= WARMUP:
+        raise ConfigError(f"--epochs must be >= {WARMUP + 1} (the first settles the shares), got {epochs}")
+    if not args.sample_cost_ms > 0:
         raise ConfigError(f"--sample-cost-ms must be > 0, got {args.sample_cost_ms}")
-    cost = ["--sample-cost-ms", args.sample_cost_ms] if args.sample_cost_ms else []
-    raw = launch_workers("hetdp.bench.fsdp", len(SPEEDS), ["--epochs", epochs, "--samples", size["samples"],
-                                                           "--seed", args.seed, *cost],
-                         total=3 * epochs + 2, description="epochs", unit="epoch")
+    raw = launch_workers("hetdp.bench.fsdp", len(SPEEDS), [
+        "--epochs", epochs, "--plain-epochs", size["plain_epochs"], "--samples", size["samples"],
+        "--seed", args.seed, "--sample-cost-ms", args.sample_cost_ms],
+        total=3 * epochs + 2 * size["plain_epochs"] + CAPPED_EPOCHS, description="epochs", unit="epoch")
     return summarize(raw)
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-    """The benchmark's figures from rank 0's rows (each run's last epoch is its steady one)."""
-    runs = raw["runs"]
-    equal_s, adaptive_s, ddp_s = (runs[name][-1]["epoch_s"] for name in ("equal", "adaptive", "ddp"))
+    """The benchmark's figures from rank 0's rows."""
+    runs, plain = raw["runs"], raw["plain"]
+    equal = runs["equal"]
+    equal_s, adaptive_s, ddp_s = (steady_s(runs[name]) for name in ("equal", "adaptive", "ddp"))
+    per_sample = per_sample_s(equal)
+    best = ideal(equal_s, baseline_samples=equal[-1]["samples"], per_sample=per_sample)
+    speedup = equal_s / adaptive_s
+    torch_s, ours_s = steady_s(plain["torch_fully_shard"]), steady_s(plain["hetdp_equal"])
     replica = raw["replica_state_bytes"]
     return {
-        "speedup_vs_equal": equal_s / adaptive_s,
+        "speedup_vs_equal": speedup,
+        "ideal_speedup": best.speedup,
+        "efficiency": speedup / best.speedup,
+        "vs_fully_shard": ours_s / torch_s,
         "param_gap": raw["param_gap"],
         "final_shares": runs["adaptive"][-1]["shares"],
         "vs_ddp": adaptive_s / ddp_s,
+        "per_sample_ms": [None if s is None else 1000 * s for s in per_sample],
+        "exchange_ms_per_step": 1000 * exchange_s(equal),
+        "exchange_fraction": exchange_s(equal) * equal[-1]["steps"] / equal_s,
         "state_bytes_per_rank": raw["state_bytes_per_rank"],
         "replica_state_bytes": replica,
         "state_fraction": max(raw["state_bytes_per_rank"]) / replica,
         "caps": raw["capped"]["caps"],
         "capped_shares": raw["capped"]["shares"],
         "capped_diagnosis": raw["capped"]["diagnosis"],
-        "epoch_s": {"equal": equal_s, "adaptive": adaptive_s, "ddp": ddp_s},
+        "held": held_figures(raw["capped"]),
+        "epoch_s": {"equal": equal_s, "adaptive": adaptive_s, "ddp": ddp_s, "ideal": best.epoch_s,
+                    "torch_fully_shard": torch_s, "hetdp_equal_unemulated": ours_s},
         "speeds": list(SPEEDS),
         "sample_cost_ms": raw["sample_cost_ms"],
-        "calibration": raw["calibration"],
         "global_batch": BATCH * len(SPEEDS),
         "parameters": raw["parameters"],
         "optimizer": "SGD(lr=0.05, momentum=0.9), clip_grad_norm_ 1.0",
         "runs": runs,
+        "plain": plain,
     }
+
+
+def held_figures(capped: dict[str, Any]) -> dict[str, Any]:
+    """The capped rank's memory against its device's: the most it held at each share it ran (its state's tensors at
+    the step's start plus the peak of those the step allocated), the bytes one more sample took between the two
+    largest shares, and the samples still free at its largest share (negative: the cap let it overrun)."""
+    memory = capped["memory_mb"] * 1e6
+    by_share = {int(share): held for share, held in capped["held_bytes"].items()}
+    largest = max(by_share)
+    smaller = [share for share in by_share if share < largest]
+    per_sample = ((by_share[largest] - by_share[max(smaller)]) / (largest - max(smaller))) if smaller else None
+    return {"rank": capped["rank"], "memory_mb": capped["memory_mb"],
+            "activation_mb_per_sample": capped["activation_mb_per_sample"], "held_mb_by_share": {
+                share: held / 1e6 for share, held in sorted(by_share.items())},
+            "largest_share": largest, "held_mb": by_share[largest] / 1e6, "cap_holds": by_share[largest] <= memory,
+            "mb_per_sample": None if per_sample is None else per_sample / 1e6,
+            "spare_samples": None if not per_sample else (memory - by_share[largest]) / per_sample}
 
 
 def render(result: dict[str, Any]) -> str:
     epoch_s = result["epoch_s"]
+    runs = result["runs"]
     rows = [
-        {"run": "sharded, equal", "steady epoch s": epoch_s["equal"], "shares": result["runs"]["equal"][-1]["shares"]},
+        {"run": "sharded, equal", "steady epoch s": epoch_s["equal"], "shares": runs["equal"][-1]["shares"]},
         {"run": "sharded, adaptive", "steady epoch s": epoch_s["adaptive"], "shares": result["final_shares"]},
-        {"run": "hetdp.DDP, adaptive", "steady epoch s": epoch_s["ddp"], "shares": result["runs"]["ddp"][-1]["shares"]},
-        {"run": f"sharded, adaptive, rank 3 capped at {CAP}", "steady epoch s": "", "shares": result["capped_shares"]},
+        {"run": "  ideal (equal less balanced compute)", "steady epoch s": epoch_s["ideal"], "shares": ""},
+        {"run": "hetdp.DDP, adaptive", "steady epoch s": epoch_s["ddp"], "shares": runs["ddp"][-1]["shares"]},
+        {"run": "unemulated: torch fully_shard", "steady epoch s": epoch_s["torch_fully_shard"],
+         "shares": [BATCH] * len(SPEEDS)},
+        {"run": "unemulated: hetdp.fully_shard, equal", "steady epoch s": epoch_s["hetdp_equal_unemulated"],
+         "shares": result["plain"]["hetdp_equal"][-1]["shares"]},
+        {"run": f"sharded, adaptive, rank 3 of {result['held']['memory_mb']:g} MB", "steady epoch s": "",
+         "shares": result["capped_shares"]},
     ]
-    replica = result["replica_state_bytes"]
+    replica, held = result["replica_state_bytes"], result["held"]
     title = (f"hetdp.fully_shard on speeds {','.join(f'{s:g}' for s in SPEEDS)} ({result['parameters']:,} parameters, "
-             f"global batch {result['global_batch']}, {result['sample_cost_ms']:.3g} ms per sample at speed 1)")
-    figures = (f"speedup_vs_equal {result['speedup_vs_equal']:.2f} (target >= 1.6, ideal 2.0); param_gap "
-               f"{result['param_gap']:.1e} (target <= 1e-5); vs_ddp {result['vs_ddp']:.2f}; state per rank "
-               f"{[round(b / replica, 3) for b in result['state_bytes_per_rank']]} of a replica's {replica:,} B; caps "
-               f"{result['caps']}\ncapped run: {result['capped_diagnosis']}")
-    return "\n".join([format_table(rows, title=title), figures])
+             f"global batch {result['global_batch']}, {result['sample_cost_ms']:.3g} ms per sample at speed 1); the "
+             "wall clock of whole epochs, runs in turn")
+    per_sample = ",".join("-" if ms is None else f"{ms:.2f}" for ms in result["per_sample_ms"])
+    figures = [
+        f"speedup_vs_equal {result['speedup_vs_equal']:.2f}x, ideal_speedup {result['ideal_speedup']:.2f}x (compute "
+        f"{per_sample} ms per sample measured; exchange {result['exchange_ms_per_step']:.0f} ms per step, "
+        f"{result['exchange_fraction']:.0%} of the equal epoch): efficiency {result['efficiency']:.3f} (target >= 0.9)",
+        f"vs_fully_shard {result['vs_fully_shard']:.3f} (hetdp at equal shares over torch's fully_shard, ideal 1, "
+        f"target <= 1.03); vs_ddp {result['vs_ddp']:.2f}; param_gap {result['param_gap']:.1e} (target <= 1e-5)",
+        f"state per rank {[round(b / replica, 3) for b in result['state_bytes_per_rank']]} of a replica's "
+        f"{replica:,} B",
+        f"rank {held['rank']}'s cap {result['caps'][held['rank']]}: at share {held['largest_share']} it held "
+        f"{held['held_mb']:.2f} MB of its {held['memory_mb']:g} MB ({'holds' if held['cap_holds'] else 'OVERRUN'}; "
+        + ("spare samples " + f"{held['spare_samples']:.1f}" if held["spare_samples"] is not None else "one share run")
+        + f")\ncapped run: {result['capped_diagnosis']}",
+    ]
+    return "\n".join([format_table(rows, title=title), *figures])
 
 
 # --- the worker: runs under torchrun, one process per rank -------------------------------------------------------
@@ -146,11 +196,12 @@ def _model(seed: int) -> TinyLM:
     return TinyLM()
 
 
-def _sharded(seed: int, **settings: Any) -> nn.Module:
+def _sharded(seed: int, shard: Any = fully_shard, **settings: Any) -> nn.Module:
+    """The model sharded block by block, then the root, by ``shard`` (hetdp's ``fully_shard`` or torch's)."""
     model = _model(seed)
     for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model, **settings)
+        shard(block)
+    return shard(model, **settings)
 
 
 def _loader(samples: int, seed: int) -> DataLoader:
@@ -159,75 +210,45 @@ def _loader(samples: int, seed: int) -> DataLoader:
 
 
 class _Run:
-    """The reference script's loop on one drop-in, an epoch at a time; a row per epoch."""
+    """The reference script's loop on one model (a drop-in, or torch's own with ``plain``), an epoch at a time."""
 
-    def __init__(self, name: str, model: Any, samples: int, seed: int) -> None:
+    def __init__(self, name: str, model: Any, samples: int, seed: int, *, plain: bool = False) -> None:
         self.name = name
         self.model = model
-        self.loader = model.allocate(_loader(samples, seed))
+        self.plain = plain
+        self.loader = _loader(samples, seed) if plain else model.allocate(_loader(samples, seed))
         self.optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.held: HeldBytes | None = None
+        """While set, each step runs under it: ``held_bytes`` keeps the most each share held."""
+        self.held_bytes: dict[int, int] = {}
 
-    def epoch(self, epoch: int) -> dict[str, Any]:
+    def train_epoch(self, epoch: int) -> None:
         self.loader.sampler.set_epoch(epoch)
-        began = [time.perf_counter()]
         for (tokens,) in self.loader:
             self.optimizer.zero_grad()
-            next_token_loss(self.model, tokens).backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            began.append(time.perf_counter())
+            if self.held is None:
+                self._step(tokens)
+                continue
+            before = state_bytes(self.model.parameters(), self.optimizer)
+            with HeldBytes() as held:
+                self._step(tokens)
+            share = len(tokens)
+            self.held_bytes[share] = max(self.held_bytes.get(share, 0), before + held.peak)
+
+    def _step(self, tokens: torch.Tensor) -> None:
+        next_token_loss(self.model, tokens).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+
+    def describe(self) -> dict[str, Any]:
+        if self.plain:
+            return plain_row([BATCH] * dist.get_world_size())
         report = self.model.last_epoch
-        return {"run": self.name, "epoch": epoch, "epoch_s": report.epoch_s, "shares": report.shares,
-                "caps": report.caps, "diagnosis": report.diagnosis(),
-                "step_s": [end - start for start, end in itertools.pairwise(began)]}
+        return {**report_row(report), "caps": report.caps, "diagnosis": report.diagnosis()}
 
     def close(self) -> None:
-        self.model.close()
-
-
-def _alternate(runs: list[_Run], epochs: int, progress: EventWriter) -> dict[str, list[dict[str, Any]]]:
-    rows: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
-    for epoch in range(epochs):
-        for run in runs:
-            dist.barrier()
-            rows[run.name].append(run.epoch(epoch))
-            progress.update(row=rows[run.name][-1])
-    return rows
-
-
-def _calibrate(samples: int, seed: int) -> tuple[float, dict[str, float]]:
-    """The sample cost (ms at speed 1) that makes the emulated devices set the pace: rank 0 times the host's real
-    compute of the fastest device's adaptive share; then an epoch at the adaptive shares times what a step costs
-    beyond its emulated block (its collectives' waits and the host's work between steps: on a shared 2-core host
-    these, not the devices, would set the pace of a fast step)."""
-    ideal = [round(BATCH * len(SPEEDS) * speed / sum(SPEEDS)) for speed in SPEEDS]
-    seconds = torch.zeros(1, dtype=torch.float64)
-    if dist.get_rank() == 0:
-        (tokens,) = token_sequences(ideal[-1], seed=seed).tensors
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        seconds[0] = median_batch_s(_model(seed), inputs, targets, _flat_cross_entropy, repeats=3, warmup=1)
-    dist.broadcast(seconds, 0)
-    compute_ms = 1000.0 * HEADROOM * float(seconds) * SPEEDS[-1] / ideal[-1]
-    model = _sharded(seed, allocation="equal", emulation=Emulation(speeds=SPEEDS, sample_cost_ms=compute_ms))
-    probe = _Run("calibration", model, samples, seed)
-    model.set_shares(ideal)
-    steps_s = probe.epoch(0)["step_s"][1:]  # past the first, which sets FSDP2 up
-    probe.close()
-    beyond_s = max(statistics.median(steps_s) - ideal[0] * compute_ms / 1000.0, 0.0)
-    cost_ms = max(compute_ms, 1000.0 * EXCHANGE_MULTIPLE * beyond_s / ideal[0])
-    return cost_ms, {"host_compute_ms_per_sample": compute_ms, "step_beyond_block_s": beyond_s}
-
-
-def _flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds of the parameters, their gradients and the optimizer's state (its shards of each)."""
-    parameters = list(model.parameters())
-    state = [value for entry in optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
-    return (storage_bytes(parameters) + storage_bytes(p.grad for p in parameters if p.grad is not None)
-            + storage_bytes(state))
+        if not self.plain:
+            self.model.close()
 
 
 def _replica_state_bytes(seed: int) -> int:
@@ -236,7 +257,9 @@ def _replica_state_bytes(seed: int) -> int:
 
 
 def _reference_gap(model: nn.Module, samples: int, epochs: int, seed: int) -> float:
-    """The sharded run's parameters against one process on the same global batches (collective; rank 0's figure)."""
+    """The sharded run's parameters against one process on the same global batches (collective; rank 0's figure):
+    each epoch's order is ``DistributedSampler``'s, ``torch.randperm`` seeded with seed + epoch, taken a global
+    batch at a time."""
     whole = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in model.named_parameters()}
     if dist.get_rank() != 0:
         return 0.0
@@ -244,81 +267,87 @@ def _reference_gap(model: nn.Module, samples: int, epochs: int, seed: int) -> fl
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     (data,) = token_sequences(samples, seed=seed).tensors
     global_batch = BATCH * len(SPEEDS)
-    sampler = StepSampler(samples, global_batch, 0, shares_at=lambda _: [global_batch], shuffle=True, seed=seed,
-                          drop_last=True)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = sampler.permutation()
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
         for first in range(0, samples - global_batch + 1, global_batch):
             optimizer.zero_grad()
-            next_token_loss(reference, data[torch.tensor(order[first : first + global_batch])]).backward()
+            next_token_loss(reference, data[order[first : first + global_batch]]).backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             optimizer.step()
     return max((whole[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters())
 
 
-def _capped_devices(seed: int, samples: int) -> tuple[DeviceModel, ...]:
-    """Device models whose fastest has memory for ``CAP`` samples beside its shard: its footprint once sharded, and
-    the activation bytes a sample holds in the whole model (``saved_tensor_bytes`` at 2 and 4 samples)."""
-    probe = _sharded(seed)
-    units = [unit for unit in probe.modules() if isinstance(unit, FSDPModule)]
-    held = footprint(unit_shapes(units, unit_options),
-                     storage_bytes(probe.parameters())).held
-    plain = _model(seed)
+def activation_mb_per_sample(seed: int) -> float:
+    """The device table's ``activation_mb_per_sample`` for TinyLM, measured on the host: what autograd saves in a
+    forward of 4 samples over one of 2 (``saved_tensor_bytes``), per sample. (The drop-in cannot probe it itself: the
+    loader's batches hold one token more than the model's input.)"""
+    model = _model(seed)
     (tokens,) = token_sequences(4, seed=seed).tensors
-    counts = []
+    saved = []
     for count in (2, 4):
-        saved, output = saved_tensor_bytes(functools.partial(plain, tokens[:count, :-1]), plain.parameters)
+        count_saved, output = saved_tensor_bytes(functools.partial(model, tokens[:count, :-1]), model.parameters)
         output.sum().backward()
-        counts.append(saved)
-    per_sample = (counts[1] - counts[0]) / 2
-    memory_mb = (held + (CAP + 0.5) * per_sample) / 1e6
-    return (DeviceModel(),) * (len(SPEEDS) - 1) + (
-        DeviceModel(memory_mb=memory_mb, activation_mb_per_sample=per_sample / 1e6),)
+        saved.append(count_saved)
+    return (saved[1] - saved[0]) / 2 / 1e6
+
+
+def _capped(args: argparse.Namespace, progress: EventWriter) -> dict[str, Any]:
+    """An adaptive run whose fastest rank's device has ``CAPPED_MEMORY_MB``; that rank counts what each step holds."""
+    rank = len(SPEEDS) - 1
+    per_sample_mb = activation_mb_per_sample(args.seed)
+    devices = (DeviceModel(),) * rank + (
+        DeviceModel(memory_mb=CAPPED_MEMORY_MB, activation_mb_per_sample=per_sample_mb),)
+    emulation = Emulation(speeds=SPEEDS, sample_cost_ms=args.sample_cost_ms, seed=args.seed, devices=devices)
+    run = _Run("capped", _sharded(args.seed, allocation="adaptive", emulation=emulation), args.samples, args.seed)
+    if dist.get_rank() == rank:
+        run.held = HeldBytes()
+    for epoch in range(CAPPED_EPOCHS):
+        run.train_epoch(epoch)
+        row = run.describe()
+        progress.update(row={"run": "capped", **row})
+    held: list[dict[int, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(held, run.held_bytes)
+    run.close()
+    return {"caps": row["caps"], "shares": row["shares"], "diagnosis": row["diagnosis"], "rank": rank,
+            "memory_mb": CAPPED_MEMORY_MB, "activation_mb_per_sample": per_sample_mb, "held_bytes": held[rank]}
 
 
 def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.fsdp")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--plain-epochs", type=int, required=True)
     parser.add_argument("--samples", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sample-cost-ms", type=float)
+    parser.add_argument("--sample-cost-ms", type=float, required=True)
     args = parser.parse_args(argv)
     rank, _ = init_distributed("gloo")
     torch.set_num_threads(1)
     progress = EventWriter(enabled=rank == 0)
-    if args.sample_cost_ms:
-        cost_ms, calibration = args.sample_cost_ms, {}
-    else:
-        cost_ms, calibration = _calibrate(args.samples, args.seed)
-    progress.update(row={"run": "calibration", "sample_cost_ms": round(cost_ms, 2), **calibration})
-    emulation = Emulation(speeds=SPEEDS, sample_cost_ms=cost_ms, seed=args.seed)
+    emulation = Emulation(speeds=SPEEDS, sample_cost_ms=args.sample_cost_ms, seed=args.seed)
     runs = [_Run("equal", _sharded(args.seed, allocation="equal", emulation=emulation), args.samples, args.seed),
             _Run("adaptive", _sharded(args.seed, allocation="adaptive", emulation=emulation), args.samples, args.seed),
             _Run("ddp", DistributedDataParallel(_model(args.seed), "adaptive", emulation=emulation), args.samples,
                  args.seed)]
-    rows = _alternate(runs, args.epochs, progress)
+    rows = alternate(runs, args.epochs, warmup=WARMUP, progress=progress)
     adaptive = runs[1]
-    state_bytes = [None] * dist.get_world_size()
-    dist.all_gather_object(state_bytes, _state_bytes(adaptive.model, adaptive.optimizer))
+    state = [None] * dist.get_world_size()
+    dist.all_gather_object(state, state_bytes(adaptive.model.parameters(), adaptive.optimizer))
     gap = _reference_gap(adaptive.model, args.samples, args.epochs, args.seed)
     for each in runs:
         each.close()
-    capped_emulation = Emulation(speeds=SPEEDS, sample_cost_ms=cost_ms, seed=args.seed,
-                                 devices=_capped_devices(args.seed, args.samples))
-    capped = _Run("capped", _sharded(args.seed, allocation="adaptive", emulation=capped_emulation), args.samples,
-                  args.seed)
-    capped_rows = [capped.epoch(0)]  # its shares settle within the epoch
-    progress.update(row=capped_rows[-1])
-    capped.close()
+    plain = [_Run("torch_fully_shard", _sharded(args.seed, torch_fully_shard), args.samples, args.seed, plain=True),
+             _Run("hetdp_equal", _sharded(args.seed, allocation="equal", emulation=Emulation()), args.samples,
+                  args.seed)]
+    plain_rows = alternate(plain, args.plain_epochs, warmup=WARMUP, progress=progress)
+    for each in plain:
+        each.close()
+    capped = _capped(args, progress)
     if rank == 0:
         args.out.write_text(json.dumps({
-            "runs": {**rows, "capped": capped_rows}, "param_gap": gap, "state_bytes_per_rank": state_bytes,
-            "replica_state_bytes": _replica_state_bytes(args.seed), "sample_cost_ms": cost_ms,
-            "calibration": calibration, "parameters": sum(p.numel() for p in _model(args.seed).parameters()),
-            "capped": {"caps": capped_rows[-1]["caps"], "shares": capped_rows[-1]["shares"],
-                       "diagnosis": capped_rows[-1]["diagnosis"]}}))
+            "runs": rows, "plain": plain_rows, "capped": capped, "param_gap": gap, "state_bytes_per_rank": state,
+            "replica_state_bytes": _replica_state_bytes(args.seed), "sample_cost_ms": args.sample_cost_ms,
+            "parameters": sum(p.numel() for p in _model(args.seed).parameters())}))
     dist.destroy_process_group()
 
 

@@ -9,11 +9,16 @@ paced to emulated speeds (``--speeds``, ``--sample-cost-ms``), as everywhere.
 One launch across the four hosts (``hetdp.launch`` with ``Nodes``, one rank per
 host) probes the cluster (``hetdp.probe_cluster``: batch times and each
 link from rank 0, by real transfers), plans C-ADP from the probe, delivers each
-device's samples over the links (``hetdp.distribute``) and trains
-``hetdp.DDP(model, hetdp.Planned(cluster), "local")``; then DDP's equal split
-with an allreduce every step, and the drop-in's adaptive allocation with an
-allreduce every step and with local SGD (one merge per epoch), all through
-``hetdp.DDP`` on the same model.
+device's samples over the links (``hetdp.distribute``) and builds four runs on
+the same model, all through ``hetdp.DDP``: C-ADP (``hetdp.Planned(cluster)``,
+``"local"``), DDP's equal split with an allreduce every step, and the drop-in's
+adaptive allocation with an allreduce every step and with local SGD (one merge
+per epoch). The runs train an epoch each in turn, each epoch timed whole on one
+clock (``bench.compare``), as many epochs each, the first of each warm-up; every
+run's test accuracy stands beside its time. Each speed-up over DDP is read against
+its ideal, from DDP's own measured compute: for the allreduce, DDP's epoch less
+the compute balanced shares save; for one merge an epoch, the balanced compute
+of the epoch's samples plus C-ADP's measured merge.
 """
 
 from __future__ import annotations
@@ -61,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=256, metavar="H",
                         help="width of the MLP's two hidden layers (default 256: 84k parameters, 0.34 MB)")
     parser.add_argument("--epochs", type=int, default=None, metavar="E",
-                        help="C-ADP's epochs (default 4; 3 with --quick); DDP runs 1, the drop-in 2")
+                        help="epochs of every run (default 4; 2 with --quick); the first of each is warm-up")
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings, checked; raises ConfigError naming the bad flag."""
     speeds = parse_speeds(args.speeds, 4)
-    epochs = args.epochs or (3 if args.quick else 4)
+    epochs = args.epochs or (2 if args.quick else 4)
     for flag, value in (("--uplink-mbit", args.uplink_mbit), ("--rate-mbit", args.rate_mbit),
                         ("--sample-cost-ms", args.sample_cost_ms)):
         if not (value > 0 and math.isfinite(value)):
@@ -98,14 +103,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = settings_from_args(args)
     check_available()
-    total = 1 + settings["epochs"] + 1 + 2 + 2  # the probe, then each method's epochs
+    total = 1 + len(METHODS) * settings["epochs"]  # the probe, then each method's epochs
     with tempfile.TemporaryDirectory(prefix="hetdp-bench-links-") as folder:
         work = Path(folder)
         (work / "settings.json").write_text(json.dumps({**settings, "events": str(work / "events.jsonl")}))
         events = EventReader(work / "events.jsonl")
         commands = [[sys.executable, "-m", "hetdp.bench.links", "--node", str(host), str(work)] for host in range(4)]
         with EmulatedHosts(topology(settings)) as hosts, \
-                LaunchProgress(total, "bench links", nproc=4, unit="step") as progress:
+                LaunchProgress(total, "bench links", nproc=4, unit="epoch") as progress:
             done = hosts.run(commands, timeout_s=900, poll=lambda: progress(events.read()))
         failed = [(host, result) for host, result in enumerate(done) if result.returncode != 0]
         if failed:
@@ -118,14 +123,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def figures(runs: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    """The JSON figures from the workers' measurements: C-ADP's prediction against its measured epoch, each
-    method's epoch against DDP's, and each probed link against its token bucket."""
-    epoch_s = {method: runs[method]["epoch_s"] for method in METHODS}
+    """The JSON figures from the workers' rows: C-ADP's prediction against its measured epoch, each method's steady
+    epoch against DDP's beside its ideal, each method's accuracy, and each probed link against its token bucket."""
+    from hetdp.bench.compare import sat_out, steady_s
+
+    rows = runs["rows"]
+    epoch_s = {method: steady_s(rows[method]) for method in METHODS}
     predicted_s = runs["cadp"]["predicted_epoch_s"]
     probed = [None if mbit is None or math.isinf(mbit) else mbit for mbit in runs["probed_mbit"]]
     rates = link_rates_mbit(settings)
+    merge_s = statistics.median(min(row["tail_s"]) for row in rows["cadp"] if not row["warmup"])
+    ideals = ideal_speedups(rows, merge_s)
+    speedups = {method: epoch_s["ddp"] / epoch_s[method] for method in METHODS if method != "ddp"}
     result = {
         **{key: settings[key] for key in ("uplink_mbit", "rate_mbit", "speeds", "sample_cost_ms", "hidden", "epochs")},
+        "warmup_epochs": sum(row["warmup"] for row in rows["ddp"]),
         "model_bytes": runs["model_bytes"],
         "tbf_mbit": rates,
         "probed_mbit": probed,
@@ -136,18 +148,38 @@ def figures(runs: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
         "predicted_comm_s": runs["cadp"]["predicted_comm_s"],
         "predicted_compute_s": runs["cadp"]["predicted_compute_s"],
         "epoch_s": epoch_s,
-        "epochs_s": {method: runs[method]["epochs_s"] for method in METHODS},
+        "epochs_s": {method: [row["epoch_s"] for row in rows[method]] for method in METHODS},
         "prediction_error": abs(epoch_s["cadp"] - predicted_s) / predicted_s,
-        "merge_s": min(runs["cadp"]["tail_s"]),
+        "merge_s": merge_s,
         "send_s": runs["cadp"]["send_s"],
         "predicted_send_s": runs["cadp"]["predicted_send_s"],
-        "speedup_vs_ddp": {method: epoch_s["ddp"] / epoch_s[method] for method in METHODS if method != "ddp"},
-        "shares": {method: runs[method]["shares"] for method in ("ddp", "adaptive", "local_sgd")},
-        "diagnosis": {method: runs[method]["diagnosis"] for method in METHODS},
-        "tail_s": {method: runs[method]["tail_s"] for method in METHODS},
+        "speedup_vs_ddp": speedups,
+        "ideal_speedup": ideals,
+        "efficiency": {method: speedups[method] / ideals[method] for method in speedups},
+        "accuracy": {method: rows[method][-1]["accuracy"] for method in METHODS},
+        "shares": {method: rows[method][-1]["shares"] for method in ("ddp", "adaptive", "local_sgd")},
+        "sat_out": {method: sat_out(rows[method]) for method in METHODS},
+        "diagnosis": {method: rows[method][-1]["diagnosis"] for method in METHODS},
+        "tail_s": {method: rows[method][-1]["tail_s"] for method in METHODS},
+        "rows": rows,
     }
     result["targets"] = {key: {"limit": limit, "met": result[key] <= limit} for key, limit in TARGETS.items()}
     return result
+
+
+def ideal_speedups(rows: dict[str, list[dict[str, Any]]], merge_s: float) -> dict[str, float]:
+    """Each method's ideal speed-up over DDP, from DDP's own measured epochs: with an allreduce every step, DDP's
+    epoch less the compute balanced shares would save (``compare.ideal``); with one merge an epoch, the compute of
+    the epoch's samples split by the ranks' measured speeds, plus the merge C-ADP measured."""
+    from hetdp.bench.compare import ideal, per_sample_s, steady_s
+
+    ddp = rows["ddp"]
+    ddp_s = steady_s(ddp)
+    per_sample = per_sample_s(ddp)
+    allreduce = ideal(ddp_s, baseline_samples=ddp[-1]["samples"], per_sample=per_sample)
+    balanced_s = sum(ddp[-1]["samples"]) / sum(1.0 / seconds for seconds in per_sample if seconds)
+    once_an_epoch = ddp_s / (balanced_s + merge_s)
+    return {"cadp": once_an_epoch, "adaptive": allreduce.speedup, "local_sgd": once_an_epoch}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -161,10 +193,19 @@ def render(result: dict[str, Any]) -> str:
                                         f"Mb/s, hosts {result['rate_mbit']:g} Mb/s)"), ""]
     rows = [{"method": LABELS[method], "epoch s": result["epoch_s"][method],
              "vs DDP": "1.00x" if method == "ddp" else f"{result['speedup_vs_ddp'][method]:.2f}x",
+             "ideal": "" if method == "ddp" else f"{result['ideal_speedup'][method]:.2f}x",
+             "accuracy": result["accuracy"][method],
              "shares": result["samples"] if method == "cadp" else result["shares"][method]}
             for method in METHODS]
+    steady = result["epochs"] - result["warmup_epochs"]
+    speeds = ",".join(f"{v:g}" for v in result["speeds"])
     lines.append(format_table(rows, title=f"an epoch of digits, MLP of {result['model_bytes'] / 1e6:.2f} MB, speeds "
-                                          f"{','.join(f'{v:g}' for v in result['speeds'])} (C-ADP: samples per device)"))
+                                          f"{speeds} (C-ADP: samples per device); "
+                                          f"the wall clock of whole epochs, median of {steady} after "
+                                          f"{result['warmup_epochs']} of warm-up, runs in turn; accuracy on the test "
+                                          f"split after {result['epochs']} epochs"))
+    lines.append("ideal: allreduce per step, DDP's epoch less the compute balanced shares save; one merge an epoch, "
+                 "the balanced compute of DDP's samples plus C-ADP's measured merge")
     lines.append("")
     lines.append(f"C-ADP predicted {result['predicted_epoch_s']:.3f} s per epoch (longest compute "
                  f"{result['predicted_compute_s']:.3f} s; slowest link's exchange {result['predicted_comm_s']:.3f} s, "
@@ -207,34 +248,46 @@ def mlp(hidden: int, seed: int) -> nn.Module:
                          nn.Linear(hidden, 10))
 
 
-def _train(model: Any, loader: Any, epochs: int, progress: Any) -> dict[str, Any]:
-    """Train ``epochs`` epochs of the user's loop; the wall seconds of each (between two synchronized ends), every
-    rank's seconds from its last step to the epoch's end in the last epoch (the wait for the others and the epoch's
-    merge), and the drop-in's account of the last epoch."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
+class _Method:
+    """One method's model and loader: the user's loop, an epoch at a time; each rank's seconds from its last step to
+    the epoch's end (the wait for the others and the epoch's merge), and the test accuracy after it."""
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    dist.barrier()
-    epochs_s = []
-    for epoch in range(epochs):
-        started = last_step = time.perf_counter()
-        loader.sampler.set_epoch(epoch)
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
+    def __init__(self, name: str, model: Any, loader: Any, test: Any) -> None:
+        import torch
+
+        self.name = name
+        self.model = model
+        self.loader = loader
+        self.test = test
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        self.tail_s = 0.0
+
+    def train_epoch(self, epoch: int) -> None:
+        from torch import nn
+
+        last_step = time.perf_counter()
+        self.loader.sampler.set_epoch(epoch)
+        for inputs, targets in self.loader:
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self.model(inputs), targets).backward()
+            self.optimizer.step()
             last_step = time.perf_counter()
-        ended = time.perf_counter()
-        epochs_s.append(ended - started)
-        progress.update()
-    tails_s = [0.0] * dist.get_world_size()
-    dist.all_gather_object(tails_s, ended - last_step)
-    report = model.last_epoch
-    model.close()
-    return {"epochs_s": epochs_s, "shares": report.shares, "diagnosis": report.diagnosis(), "tail_s": tails_s}
+        self.tail_s = time.perf_counter() - last_step
+
+    def describe(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from hetdp.bench.compare import report_row
+        from hetdp.bench.models import accuracy
+
+        tails_s = [0.0] * dist.get_world_size()
+        dist.all_gather_object(tails_s, self.tail_s)
+        report = self.model.last_epoch
+        return {**report_row(report), "diagnosis": report.diagnosis(), "tail_s": tails_s,
+                "accuracy": accuracy(self.model.module, self.test)}
+
+    def close(self) -> None:
+        self.model.close()
 
 
 def _worker(folder: Path) -> None:
@@ -244,6 +297,7 @@ def _worker(folder: Path) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     import hetdp
+    from hetdp.bench.compare import alternate
     from hetdp.bench.datasets import load_digits
     from hetdp.launch import EventWriter
 
@@ -253,7 +307,8 @@ def _worker(folder: Path) -> None:
     progress = EventWriter(enabled=rank == 0, path=settings["events"])
     emulation = hetdp.Emulation(speeds=tuple(settings["speeds"]), sample_cost_ms=settings["sample_cost_ms"])
     seed, hidden, epochs = settings["seed"], settings["hidden"], settings["epochs"]
-    train = load_digits(seed=seed).train  # DDP and the drop-in read shared storage; C-ADP's owner sends its own
+    split = load_digits(seed=seed)
+    train = split.train  # DDP and the drop-in read shared storage; C-ADP's owner sends its own
     inputs, targets = train.tensors
 
     cluster = hetdp.probe_cluster(mlp(hidden, seed), inputs[:256], targets[:256],
@@ -266,20 +321,19 @@ def _worker(folder: Path) -> None:
     dist.barrier()
     send_s = time.perf_counter() - started
     cadp = hetdp.DDP(mlp(hidden, seed), hetdp.Planned(cluster, epochs=epochs), "local", emulation=emulation)
-    results = {"cadp": _train(cadp, cadp.allocate(DataLoader(local.data, shuffle=True), own_data=True), epochs,
-                              progress)}
-    results["cadp"].update(samples=plan.samples, predicted_epoch_s=plan.epoch_s, send_s=send_s,
-                           predicted_send_s=plan.send_s,
-                           predicted_comm_s=max(device.comm_s for device in plan.devices),
-                           predicted_compute_s=max(device.compute_s for device in plan.devices),
-                           epoch_s=statistics.median(results["cadp"]["epochs_s"][1:]))
-    for method, allocation, sync, method_epochs in (("ddp", "equal", "allreduce", 1),
-                                                    ("adaptive", "adaptive", "allreduce", 2),
-                                                    ("local_sgd", "adaptive", "local", 2)):
+    methods = [_Method("cadp", cadp, cadp.allocate(DataLoader(local.data, shuffle=True), own_data=True), split.test)]
+    for method, allocation, sync in (("ddp", "equal", "allreduce"), ("adaptive", "adaptive", "allreduce"),
+                                     ("local_sgd", "adaptive", "local")):
         model = hetdp.DDP(mlp(hidden, seed), allocation, sync, emulation=emulation)
         loader = model.allocate(DataLoader(train, batch_size=BATCH_SIZE, sampler=DistributedSampler(train, seed=seed)))
-        results[method] = _train(model, loader, method_epochs, progress)
-        results[method]["epoch_s"] = results[method]["epochs_s"][-1]
+        methods.append(_Method(method, model, loader, split.test))
+    results: dict[str, Any] = {"rows": alternate(methods, epochs, warmup=1, progress=progress)}
+    for method in methods:
+        method.close()
+    results["cadp"] = {"samples": plan.samples, "predicted_epoch_s": plan.epoch_s, "send_s": send_s,
+                       "predicted_send_s": plan.send_s,
+                       "predicted_comm_s": max(device.comm_s for device in plan.devices),
+                       "predicted_compute_s": max(device.compute_s for device in plan.devices)}
     if rank == 0:
         results.update(probed_mbit=[device.bandwidth_mbps for device in cluster.devices],
                        probed_latency_ms=[device.latency_ms for device in cluster.devices],

@@ -1,19 +1,22 @@
 """Never slower than the best subset of the devices: ranks whose compute is worth less than their exchange sit out.
 
 One launch of 4 local ranks runs two settings with the drop-in (``hetdp.DDP``,
-adaptive allocation, allreduce) in a user's loop:
+adaptive allocation, allreduce) in a user's loop, each side's epochs timed whole
+on one clock, the sides in turn (``bench.compare``):
 
 * communication-heavy: speeds 100,1,1,1 and a 1.1M-parameter MLP, whose exchange
   costs more than the three slow ranks' samples save. The fastest rank also trains
   the same global batches alone (a plain loop, paced as its emulated device):
-  ``vs_fastest_alone`` is that epoch time over the group's. Its sample cost is
-  calibrated on the machine (``calibrated_cost_ms``): pacing can only slow a rank
-  down, so a fastest device whose block the host's real compute overran would run
-  at the host's speed, sharing its cores with the ranks that sat out, which is a
-  measure of the host and not of the emulated device.
-* balanced: speeds 1,1,2,4 and the demo's ConvNet, where every rank pays; equal
-  against adaptive allocation gives ``balanced_efficiency`` as ``bench allocation``
-  defines efficiency (speedup over equal shares / the ideal speedup).
+  ``vs_fastest_alone`` is that epoch time over the group's, beside its ideal, the
+  fastest alone's over the best subset's (``best_subset_s``). The sample cost is
+  a device model taken from the host (``calibrated_cost_ms``: twice the host's
+  real compute of the fastest device's block), never from the ratio: pacing can
+  only slow a rank down, so a fastest device whose block the host's real compute
+  overran would run at the host's speed, sharing its cores with the ranks that
+  sat out, which is a measure of the host and not of the emulated device.
+* balanced: speeds 1,1,2,4 and the demo's ConvNet, where every rank pays; adaptive
+  against equal allocation, beside the ideal ``bench allocation`` works out from
+  the equal run's own compute and exchange: ``balanced_efficiency``.
 
 Who sits out is decided from measured figures only; ``sat_out`` lists the ranks
 out at each setting's end. Run as a module under torchrun it is the worker;
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hetdp.bench.allocation import steady_epoch_s
+from hetdp.bench.compare import alternate, ideal, per_sample_s, plain_row, report_row, sat_out, steady_s
 from hetdp.bench.datasets import Split, load_dataset
 from hetdp.bench.models import ConvNet
 from hetdp.bench.workers import launch_workers
@@ -75,24 +78,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-    """The benchmark's figures from rank 0's per-epoch rows."""
+    """The benchmark's figures from rank 0's per-epoch rows, each beside its ideal."""
     runs = raw["runs"]
-    alone_s, group_s = steady_epoch_s(runs["fastest_alone"]), steady_epoch_s(runs["comm_heavy"])
-    equal_s, adaptive_s = steady_epoch_s(runs["balanced_equal"]), steady_epoch_s(runs["balanced_adaptive"])
-    ideal = sum(BALANCED_SPEEDS) / (len(BALANCED_SPEEDS) * min(BALANCED_SPEEDS))
+    alone_s, group_s = steady_s(runs["fastest_alone"]), steady_s(runs["comm_heavy"])
+    best_subset = best_subset_s(alone_s, runs["comm_heavy"])
+    equal, adaptive = runs["balanced_equal"], runs["balanced_adaptive"]
+    equal_s, adaptive_s = steady_s(equal), steady_s(adaptive)
+    balanced_ideal = ideal(equal_s, baseline_samples=equal[-1]["samples"], per_sample=per_sample_s(equal))
+    vs_alone = alone_s / group_s
+    from_speeds = sum(BALANCED_SPEEDS) / (len(BALANCED_SPEEDS) * min(BALANCED_SPEEDS))
     return {
-        "vs_fastest_alone": alone_s / group_s,
-        "balanced_efficiency": equal_s / adaptive_s / ideal,
+        "vs_fastest_alone": vs_alone,
+        "ideal_vs_fastest_alone": alone_s / best_subset["epoch_s"],
+        "efficiency_vs_best_subset": best_subset["epoch_s"] / group_s,
+        "balanced_speedup": equal_s / adaptive_s,
+        "balanced_ideal_speedup": balanced_ideal.speedup,
+        "balanced_efficiency": balanced_ideal.efficiency(adaptive_s),
         "settings": {
             "comm_heavy": {"speeds": list(COMM_HEAVY_SPEEDS), "parameters": raw["parameters"]["mlp"],
-                           "fastest_alone_epoch_s": alone_s, "group_epoch_s": group_s,
-                           "vs_fastest_alone": alone_s / group_s, "sat_out": _sat_out(runs["comm_heavy"]),
+                           "fastest_alone_epoch_s": alone_s, "group_epoch_s": group_s, "vs_fastest_alone": vs_alone,
+                           "best_subset": best_subset, "sat_out": sat_out(runs["comm_heavy"]),
                            "final_shares": runs["comm_heavy"][-1]["shares"]},
             "balanced": {"speeds": list(BALANCED_SPEEDS), "parameters": raw["parameters"]["convnet"],
-                         "ideal_speedup": ideal, "equal_epoch_s": equal_s, "adaptive_epoch_s": adaptive_s,
-                         "balanced_efficiency": equal_s / adaptive_s / ideal,
-                         "sat_out": _sat_out(runs["balanced_adaptive"]),
-                         "final_shares": runs["balanced_adaptive"][-1]["shares"]},
+                         "equal_epoch_s": equal_s, "adaptive_epoch_s": adaptive_s,
+                         "ideal_epoch_s": balanced_ideal.epoch_s, "ideal_speedup": balanced_ideal.speedup,
+                         "ideal_speedup_from_speeds": from_speeds,
+                         "balanced_efficiency": balanced_ideal.efficiency(adaptive_s),
+                         "sat_out": sat_out(adaptive), "final_shares": adaptive[-1]["shares"]},
         },
         "sample_cost_ms": SAMPLE_COST_MS,
         "comm_heavy_sample_cost_ms": raw["comm_heavy_sample_cost_ms"],
@@ -101,9 +113,26 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _sat_out(rows: list[dict[str, Any]]) -> list[int]:
-    """The ranks out of the exchange at the run's end."""
-    return sorted(int(rank) for rank in rows[-1]["sat_out"])
+def best_subset_s(alone_s: float, group: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best subset's epoch, from the group run's own measurements: the fastest rank alone (``alone_s``, as
+    measured), or every rank in, at shares proportional to the speeds each rank's compute per sample measured and
+    the exchange measured in the steps everyone was in (the subsets between pay that exchange for less compute).
+
+    Every rank in: the fastest alone's epoch, less the compute the others would take off it each step, plus the
+    exchange each step would add; unknown where no step ran with everyone in."""
+    per_sample = [sum(row["compute_s"][rank] for row in group) / max(sum(row["samples"][rank] for row in group), 1)
+                  for rank in range(len(group[0]["shares"]))]
+    exchanges = [row["all_in_exchange_s"] for row in group if row["all_in_exchange_s"] is not None]
+    steps = statistics.median(row["steps"] for row in group)
+    result: dict[str, Any] = {"subset": [0], "epoch_s": alone_s, "per_sample_ms": [1000 * s for s in per_sample],
+                              "all_in_exchange_ms": 1000 * statistics.median(exchanges) if exchanges else None}
+    if exchanges and all(per_sample):
+        saved_s = sum(group[-1]["samples"]) * (per_sample[0] - 1.0 / sum(1.0 / s for s in per_sample))
+        all_in_s = alone_s - saved_s + steps * statistics.median(exchanges)
+        result["all_in_epoch_s"] = all_in_s
+        if all_in_s < alone_s:
+            result.update(subset=list(range(len(per_sample))), epoch_s=all_in_s)
+    return result
 
 
 def render(result: dict[str, Any]) -> str:
@@ -111,19 +140,27 @@ def render(result: dict[str, Any]) -> str:
     rows = [
         {"setting": "comm-heavy", "speeds": heavy["speeds"], "parameters": heavy["parameters"],
          "steady epoch s": heavy["group_epoch_s"], "baseline s": heavy["fastest_alone_epoch_s"],
-         "figure": f"vs_fastest_alone {heavy['vs_fastest_alone']:.3f}", "sat out": heavy["sat_out"],
-         "shares": heavy["final_shares"]},
+         "figure": f"vs_fastest_alone {heavy['vs_fastest_alone']:.3f} (ideal {result['ideal_vs_fastest_alone']:.3f})",
+         "sat out": heavy["sat_out"], "shares": heavy["final_shares"]},
         {"setting": "balanced", "speeds": balanced["speeds"], "parameters": balanced["parameters"],
          "steady epoch s": balanced["adaptive_epoch_s"], "baseline s": balanced["equal_epoch_s"],
-         "figure": f"balanced_efficiency {balanced['balanced_efficiency']:.3f}", "sat out": balanced["sat_out"],
-         "shares": balanced["final_shares"]},
+         "figure": f"speedup {result['balanced_speedup']:.3f}x (ideal {balanced['ideal_speedup']:.3f}x)",
+         "sat out": balanced["sat_out"], "shares": balanced["final_shares"]},
     ]
     title = (f"ranks that do not pay sit out (adaptive + allreduce, global batch {result['global_batch']}; ms per "
-             f"sample at speed 1: comm-heavy {result['comm_heavy_sample_cost_ms']:.3g}, calibrated; balanced "
-             f"{result['sample_cost_ms']:g})")
-    legend = ("baseline s: comm-heavy, the fastest rank alone on the same global batches; balanced, equal shares. "
-              "vs_fastest_alone: its epoch time over the group's (target >= 0.95); balanced_efficiency: speedup "
-              "over equal shares / ideal speedup, as `bench allocation` (target >= 0.95)")
+             f"sample at speed 1: comm-heavy {result['comm_heavy_sample_cost_ms']:.3g}, from the host's compute; "
+             f"balanced {result['sample_cost_ms']:g}); the wall clock of whole epochs, runs in turn")
+    subset = heavy["best_subset"]
+    all_in = subset.get("all_in_epoch_s")
+    legend = (
+        "baseline s: comm-heavy, the fastest rank alone on the same global batches; balanced, equal shares.\n"
+        f"vs_fastest_alone: its epoch over the group's (target >= 0.95); ideal: over the best subset's, ranks "
+        f"{subset['subset']} (everyone in: "
+        + ("unknown, no step ran with everyone in" if all_in is None else
+           f"{all_in:.3f} s at {subset['all_in_exchange_ms']:.1f} ms of exchange a step")
+        + f"): efficiency {result['efficiency_vs_best_subset']:.3f}\n"
+        f"balanced: ideal from the equal run's own compute and exchange; balanced_efficiency "
+        f"{result['balanced_efficiency']:.3f} (target >= 0.95)")
     return "\n".join([format_table(rows, title=title), legend])
 
 
@@ -143,27 +180,35 @@ def _convnet(seed: int, split: Split) -> nn.Module:
 
 
 class _Group:
-    """The user's loop with the drop-in on every rank, an epoch at a time; a row per epoch (every rank's view)."""
+    """The user's loop with the drop-in on every rank, an epoch at a time."""
 
-    def __init__(self, module: nn.Module, allocation: str, speeds: tuple[float, ...], split: Split, seed: int,
-                 sample_cost_ms: float = SAMPLE_COST_MS) -> None:
+    def __init__(self, name: str, module: nn.Module, allocation: str, speeds: tuple[float, ...], split: Split,
+                 seed: int, sample_cost_ms: float = SAMPLE_COST_MS) -> None:
         emulation = Emulation(speeds=speeds, sample_cost_ms=sample_cost_ms, seed=seed)
-        self.name = allocation
+        self.name = name
         self.model = hetdp_ddp.DistributedDataParallel(module, allocation, "allreduce", emulation=emulation)
         sampler = DistributedSampler(split.train, seed=seed)
         self.loader = self.model.allocate(DataLoader(split.train, batch_size=GLOBAL_BATCH // dist.get_world_size(),
                                                      sampler=sampler))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.epoch = 0
 
-    def epoch(self, epoch: int) -> dict[str, Any]:
+    def train_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         self.loader.sampler.set_epoch(epoch)
         for inputs, targets in self.loader:
             self.optimizer.zero_grad()
             nn.functional.cross_entropy(self.model(inputs), targets).backward()
             self.optimizer.step()
+
+    def describe(self) -> dict[str, Any]:
+        """The epoch's report, and the exchange of its steps with every rank in (the least wait of the step's ranks,
+        the median over those steps; None: no such step)."""
         report = self.model.last_epoch
-        return {"epoch": epoch, "epoch_s": report.epoch_s, "shares": report.shares,
-                "sat_out": {str(rank): why for rank, why in report.sat_out.items()}, "diagnosis": report.diagnosis()}
+        all_in = [min(step.wait_s) for step in self.model.step_figures
+                  if step.epoch == self.epoch and all(step.shares)]
+        return {**report_row(report), "diagnosis": report.diagnosis(),
+                "all_in_exchange_s": statistics.median(all_in) if all_in else None}
 
     def close(self) -> None:
         self.model.close()
@@ -174,7 +219,7 @@ class _Alone:
     emulated device."""
 
     def __init__(self, module: nn.Module, speed: float, split: Split, seed: int, sample_cost_ms: float) -> None:
-        self.name = "fastest alone"
+        self.name = "fastest_alone"
         self.module = module
         self.emulation = Emulation(speeds=(speed,), sample_cost_ms=sample_cost_ms, seed=seed)
         self.optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
@@ -182,17 +227,18 @@ class _Alone:
                                  generator=torch.Generator().manual_seed(seed))
         self.step = 0
 
-    def epoch(self, epoch: int) -> dict[str, Any]:
+    def train_epoch(self, epoch: int) -> None:
         if dist.get_rank() != 0:
-            return {}
-        started = time.perf_counter()
+            return
         for inputs, targets in self.loader:
             with self.emulation.compute(0, len(inputs), self.step):
                 self.optimizer.zero_grad()
                 nn.functional.cross_entropy(self.module(inputs), targets).backward()
             self.optimizer.step()
             self.step += 1
-        return {"epoch": epoch, "epoch_s": time.perf_counter() - started, "shares": [GLOBAL_BATCH], "sat_out": {}}
+
+    def describe(self) -> dict[str, Any]:
+        return plain_row([GLOBAL_BATCH] + [0] * (dist.get_world_size() - 1))
 
     def close(self) -> None:
         pass
@@ -211,20 +257,6 @@ def calibrated_cost_ms(module: nn.Module, split: Split, speed: float, samples: i
     return 1000.0 * HEADROOM * float(seconds) * speed / samples
 
 
-def _alternate(runs: list[_Group | _Alone], epochs: int, progress: EventWriter) -> list[list[dict[str, Any]]]:
-    """An epoch of each run in turn, so that a loaded machine's slow spells fall on all of them alike."""
-    rows: list[list[dict[str, Any]]] = [[] for _ in runs]
-    for epoch in range(epochs):
-        for run, done in zip(runs, rows):
-            dist.barrier()
-            done.append(run.epoch(epoch))
-            progress.update(row={"run": run.name, **done[-1]})
-    dist.barrier()
-    for run in runs:
-        run.close()
-    return rows
-
-
 def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hetdp.bench.subset")
     parser.add_argument("--out", type=Path, required=True)
@@ -237,13 +269,14 @@ def _worker(argv: list[str]) -> None:
     progress = EventWriter(enabled=rank == 0)
     runs: dict[str, list[dict[str, Any]]] = {}
     cost_ms = calibrated_cost_ms(_mlp(args.seed), split, COMM_HEAVY_SPEEDS[0])
-    runs["fastest_alone"], runs["comm_heavy"] = _alternate(
-        [_Alone(_mlp(args.seed), COMM_HEAVY_SPEEDS[0], split, args.seed, cost_ms),
-         _Group(_mlp(args.seed), "adaptive", COMM_HEAVY_SPEEDS, split, args.seed, cost_ms)], 2 * args.epochs,
-        progress)
-    runs["balanced_equal"], runs["balanced_adaptive"] = _alternate(
-        [_Group(_convnet(args.seed, split), allocation, BALANCED_SPEEDS, split, args.seed)
-         for allocation in ("equal", "adaptive")], args.epochs, progress)
+    heavy = [_Alone(_mlp(args.seed), COMM_HEAVY_SPEEDS[0], split, args.seed, cost_ms),
+             _Group("comm_heavy", _mlp(args.seed), "adaptive", COMM_HEAVY_SPEEDS, split, args.seed, cost_ms)]
+    runs.update(alternate(heavy, 2 * args.epochs, warmup=args.epochs, progress=progress))
+    balanced = [_Group(f"balanced_{allocation}", _convnet(args.seed, split), allocation, BALANCED_SPEEDS, split,
+                       args.seed) for allocation in ("equal", "adaptive")]
+    runs.update(alternate(balanced, args.epochs, warmup=args.epochs // 2, progress=progress))
+    for run in [*heavy, *balanced]:
+        run.close()
     if rank == 0:
         parameters = {"mlp": sum(p.numel() for p in _mlp(0).parameters()),
                       "convnet": sum(p.numel() for p in _convnet(0, split).parameters())}

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out must be a folder, got the file {args.out}")
     Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms)  # bad settings fail before anything is printed
     load_dataset(args.dataset, args.data_root)
-    print(f"training on {len(speeds)} local workers at speeds {list(speeds)}: equal allocation, then adaptive")
+    print(f"training on {len(speeds)} local workers at speeds {list(speeds)}: equal and adaptive allocation, an epoch "
+          "of each in turn")
     print(LEGEND, flush=True)
     policies = ("equal", "adaptive")
     table = StreamingTable(COLUMNS, widths={"policy": max(map(len, policies))})
