@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, str] = {
            "pairing against the GPU alone (needs a CUDA GPU)",
     "fsdp": "the sharded drop-in (hetdp.fully_shard) at emulated speeds 1,1,2,4: adaptive vs equal shares, vs hetdp.DDP, "
             "parameter gap to one process, state bytes per rank, a memory cap on the fastest rank",
+    "memory": "memory-sized shards (hetdp.fully_shard) on 4 ranks of memory 1,1,2,4: the largest model that trains, "
+              "measured by real epochs, against torch's even shards; state per rank, speed, parameter gap",
     "frameworks": "hetdp under Lightning, Accelerate and transformers' Trainer on emulated speeds 1,1,2,4: epoch "
                   "speedup over each framework's DDP split, shares reached, parameter gap to one process",
     "links": "C-ADP and the drop-in over real rate-limited links between 4 emulated hosts (network namespaces, two "
