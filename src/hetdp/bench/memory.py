@@ -80,7 +80,7 @@ GAP_EPOCHS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smallest-mb", type=float, default=SMALLEST_MB,
+    parser.add_argument("--smallest-mb", type=float, default=SMALLEST_MB, metavar="MB",
                         help=f"the smallest emulated device's memory in MB (default {SMALLEST_MB:g}); the others "
                              f"hold {', '.join(f'{r:g}' for r in RATIO[1:])} times it")
 

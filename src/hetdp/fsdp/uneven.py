@@ -259,12 +259,14 @@ class UnevenModule:
             unit.syncing = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether units are freed after their forward (and regathered for their backward), the outermost too."""
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(f"reshard_after_forward should be a bool, got {reshard_after_forward!r}")
         for unit in _units(self, recurse):
             unit.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether units are freed after their backward (False: they stay whole for the next forward)."""
         for unit in _units(self, recurse):
             unit.reshard_after_backward = reshard_after_backward
 
