@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ def run_now(start: Start, what: str, reduces: bool) -> None:
 class RowShardedParameter:
     """One parameter of a unit, sharded in memory-sized rows."""
 
-    owners: list[tuple[nn.Module, str]]
-    """Where the module holds it: (submodule, attribute name), one entry per place it is registered."""
+    owners: list[tuple[weakref.ref[nn.Module], str]]
+    """Where the module holds it: (submodule, attribute name), one entry per place it is registered; held weakly, so
+    that a module and its unit are freed together when the model goes, not left to the cyclic collector."""
     sharded: nn.Parameter
     """What the module shows between uses: a DTensor ``Shard(0)`` over this rank's rows, a view into the segment."""
     unsharded: nn.Parameter
@@ -94,8 +96,10 @@ class RowShardedUnit:
                  splits: Sequence[RowSplit], mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        """The ranks' mesh; its group is looked up by name at each collective (DeviceMesh keeps names, not groups), so
+        that nothing here keeps a destroyed process group alive until the interpreter's last collection."""
+        group = mesh.get_group()
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
                        else torch.device(mesh.device_type))
         dtypes = {parameter.dtype for _, parameter in parameters}
@@ -133,7 +137,7 @@ class RowShardedUnit:
             unsharded.untyped_storage(), 0, (whole.numel(),), (1,))
         unsharded.untyped_storage().resize_(0)
         register_parameter(sharded, first)
-        return RowShardedParameter(owners=owners, sharded=sharded, unsharded=unsharded, split=split,
+        return RowShardedParameter(owners=[(weakref.ref(module), name) for module, name in owners], sharded=sharded, unsharded=unsharded, split=split,
                                    row_numel=row_numel, writer=writer)
 
     def _show_dcp_real_rows(self) -> None:
@@ -141,7 +145,8 @@ class RowShardedUnit:
         (``hetdp.fsdp.chunks``)."""
         first_rows: dict[int, tuple[nn.Module, dict[str, int]]] = {}
         for parameter in self.parameters:
-            for module, name in parameter.owners:
+            for owner, name in parameter.owners:
+                module = owner()
                 first_rows.setdefault(id(module), (module, {}))[1][name] = parameter.split.offsets[self.rank]
         for module, names in first_rows.values():
             module.register_state_dict_post_hook(functools.partial(_show_rows, names))
@@ -151,8 +156,10 @@ class RowShardedUnit:
     def show(self, which: str) -> None:
         """Register the ``"sharded"`` or the ``"unsharded"`` parameters on the modules (the sharded ones at first)."""
         for parameter in self.parameters:
-            for module, name in parameter.owners:
-                module._parameters[name] = getattr(parameter, which)
+            for owner, name in parameter.owners:
+                module = owner()
+                if module is not None:
+                    module._parameters[name] = getattr(parameter, which)
 
     def gather(self) -> None:
         """Fill the unsharded parameters with every rank's rows (collective; nothing where already gathered)."""
@@ -163,7 +170,7 @@ class RowShardedUnit:
         sent = mine.repeat(self.world_size)
         self.run(lambda async_op: dist.all_to_all_single(
             received, sent, output_split_sizes=self.sizes, input_split_sizes=[self.sizes[self.rank]] * self.world_size,
-            group=self.group, async_op=async_op), "the all-gather of memory-sized shards", False)
+            group=self.mesh.get_group(), async_op=async_op), "the all-gather of memory-sized shards", False)
         segments = received.split(self.sizes)
         with torch.no_grad():
             for index, parameter in enumerate(self.parameters):
@@ -204,7 +211,7 @@ class RowShardedUnit:
             received = torch.empty(self.world_size * mine, dtype=self.reduce_dtype, device=self.device)
             self.run(lambda async_op: dist.all_to_all_single(
                 received, sent, output_split_sizes=[mine] * self.world_size, input_split_sizes=self.sizes,
-                group=self.group, async_op=async_op), "the reduce-scatter of memory-sized shards", True)
+                group=self.mesh.get_group(), async_op=async_op), "the reduce-scatter of memory-sized shards", True)
             summed = received.view(self.world_size, mine).sum(0).to(self.dtype)
             for index, parameter in enumerate(self.parameters):
                 if not parameter.sharded.requires_grad:
