@@ -30,6 +30,8 @@ BENCHMARKS: dict[str, str] = {
     "fsdp": "the sharded drop-in (hetdp.fully_shard) at emulated speeds 1,1,2,4: adaptive vs equal shares beside the "
             "ideal, vs torch's own fully_shard, vs hetdp.DDP, parameter gap to one process, state bytes per rank, a "
             "memory cap on the fastest rank checked against the memory it held",
+    "memory": "memory-sized shards (hetdp.fully_shard) on 4 ranks of memory 1,1,2,4: the largest model that trains, "
+              "measured by real epochs, against torch's even shards; state per rank, speed, parameter gap",
     "frameworks": "hetdp under Lightning, Accelerate and transformers' Trainer on emulated speeds 1,1,2,4: epoch "
                   "speedup over each framework's own DDP path beside its ideal, shares reached, parameter gap to one "
                   "process",

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
@@ -36,6 +37,8 @@ from hetdp.figures.shardclock import ShardedClock
 from hetdp.floor import check_sharded
 from hetdp.fsdp.comms import Exchange, TimedAllGather, UnshardedHooks, WeighedReduceScatter, Weighing
 from hetdp.fsdp.memory import Footprint, budget, footprint, probe_activation_bytes, unit_shapes
+from hetdp.fsdp.rowmemory import uneven_footprint
+from hetdp.fsdp.uneven import UnevenModule
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
 from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
@@ -128,8 +131,9 @@ class ShardedDropIn(StepCoordinator):
     """FSDP2 units under ``root`` in which rank i computes ``shares[i]`` samples of every step, exactly.
 
     Built by ``root.allocate(loader)`` (collective: every rank builds it). Each unit reduce-scatters this rank's
-    gradient weighed by its part of the step and summed (``comms``), so the gradient is the mean over the step's
-    samples whatever the shares; every collective is timed and paced on ``ShardedClock``; the steps, epochs,
+    gradient weighed by its part of the step and summed (``comms``; memory-sized shards, ``hetdp.fsdp.uneven``, by
+    the same weights through their own exchange), so the gradient is the mean over the step's samples whatever the
+    shares; every collective is timed and paced on ``ShardedClock``; the steps, epochs,
     figures, re-plans and allocation are the ones ``hetdp.DDP`` has.
 
     Warning:
@@ -189,6 +193,16 @@ class ShardedDropIn(StepCoordinator):
         exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
                             bounded=dist.get_backend(self._group) == "gloo")
         all_gather, reduce_scatter = TimedAllGather(exchange), WeighedReduceScatter(exchange, self.weighing)
+        uneven = [unit for unit in self.units if isinstance(unit, UnevenModule)]
+        if uneven:  # memory-sized shards: hetdp's own exchange (hetdp.fsdp.rowshard), weighed and timed alike
+            if len(uneven) < len(self.units):
+                even = next(unit for unit in self.units if not isinstance(unit, UnevenModule))
+                raise ConfigError(f"{type(uneven[0]).__name__} has memory-sized shards and {type(even).__name__} "
+                                  "torch's even ones: give every fully_shard call of a model the same shard_sizes")
+            for unit in uneven:
+                unit._uneven.use(lambda start, what, reduces: exchange.run(start, False, what, reduces=reduces),
+                                 self.weighing.reduce_weight)
+            return
         for unit in self.units:
             try:
                 unit.set_custom_all_gather(all_gather)
@@ -308,9 +322,10 @@ class ShardedDropIn(StepCoordinator):
         loader's first batch raises under ``"measure"`` and leaves the shares uncapped, with a warning, by default."""
         if max_batch is not None and not (isinstance(max_batch, str) and max_batch == "measure"):
             return super()._memory_caps(max_batch, loader, accumulates=accumulates)
-        shapes = unit_shapes(self.units, unit_options)
-        shards = storage_bytes(self.module.parameters())
-        held = self.footprint = footprint(shapes, shards, gradients_wait=accumulates)
+        shapes, placed = unit_shapes(self.units, unit_options), storage_bytes(self.module.parameters())
+        held = self.footprint = (uneven_footprint(self.units, shapes, placed, gradients_wait=accumulates)
+                                 if isinstance(self.units[0], UnevenModule)
+                                 else footprint(shapes, placed, gradients_wait=accumulates))
         mine = budget(self.rank, self.clock.device, self.emulation, held)
         per_sample: float | ConfigError | None = None
         if any(self._gather_objects(mine is not None and mine.per_sample_bytes is None, "agreeing on a probe")):
@@ -367,6 +382,9 @@ class ShardedDropIn(StepCoordinator):
         self._planner.settle()
         self._heartbeat.stop()
         self._unsharded.close()
+        for unit in self.units:
+            if isinstance(unit, UnevenModule):
+                unit._uneven.release()
         for handle in self._handles:
             handle.remove()
         self._release_figures(self._group)
@@ -376,6 +394,11 @@ class ShardedDropIn(StepCoordinator):
     def __repr__(self) -> str:
         return (f"hetdp.fully_shard(allocation={self.allocation.describe()}, rank={self.rank}/{self.world_size}, "
                 f"shares={self.shares}, steps={self.steps_done})")
+
+
+def sharded_units(root: nn.Module) -> list[nn.Module]:
+    """The units under ``root`` (itself included): FSDP2's, or hetdp's memory-sized ones."""
+    return [module for module in root.modules() if isinstance(module, (FSDPModule, UnevenModule))]
 
 
 def unit_options(unit: nn.Module) -> Mapping[str, Any]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -27,11 +28,13 @@ from hetdp.data.loader import AllocatedLoader
 from hetdp.errors import ConfigError
 from hetdp.figures.metrics import EpochReport, MetricsConfig, StepFigures
 from hetdp.floor import check_sharded
-from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn
+from hetdp.fsdp.budgets import MemoryBudget, memory_budgets, row_weights
+from hetdp.fsdp.dropin import DropInSettings, ShardedDropIn, sharded_units
+from hetdp.fsdp.uneven import UnevenModule, default_device_type, shard_rows
 from hetdp.sync.base import LossConvention
 from hetdp.sync.policy import SyncPolicy
 
-_KEPT_OPTIONS = ("mesh", "reshard_after_forward", "mp_policy")
+_KEPT_OPTIONS = ("mesh", "reshard_after_forward", "mp_policy", "shard_sizes")
 """The ``fully_shard`` keywords the drop-in reads back: the mesh it checks, and what sizes a rank's memory."""
 
 
@@ -68,7 +71,7 @@ class ShardedModule:
     def _drop_in_here(self) -> ShardedDropIn:
         drop_in = self._hetdp_drop_in
         if drop_in is None:
-            units = [module for module in self.modules() if isinstance(module, FSDPModule)]  # type: ignore[attr-defined]
+            units = sharded_units(self)  # type: ignore[arg-type]
             below = [unit for unit in units if unit is not self and getattr(unit, "_hetdp_settings", None) is not None
                      and unit._hetdp_settings.given]
             if below:
@@ -154,34 +157,67 @@ def _check_names(module: nn.Module) -> None:
 
 
 def _mix(unit: nn.Module) -> None:
-    """Put ``ShardedModule`` ahead of the unit's ``FSDP<Class>``; torch's ``FSDPModule.__new__`` finds the original
-    class by its place in the order, which moves by two (the new class and the mixin)."""
-    fsdp_class = type(unit)
-    mixed = _MIXED.get(fsdp_class)
+    """Put ``ShardedModule`` ahead of the unit's ``FSDP<Class>`` (or ``Uneven<Class>``); torch's ``FSDPModule.__new__``
+    finds the original class by its place in the order, which moves by two (the new class and the mixin)."""
+    sharded_class = type(unit)
+    mixed = _MIXED.get(sharded_class)
     if mixed is None:
-        mixed = _MIXED[fsdp_class] = type(fsdp_class.__name__, (ShardedModule, fsdp_class), {
-            "__module__": fsdp_class.__module__,
-            "_orig_cls_mro_index": fsdp_class._orig_cls_mro_index + 2})  # type: ignore[attr-defined]
+        extra = ({"_orig_cls_mro_index": sharded_class._orig_cls_mro_index + 2}  # type: ignore[attr-defined]
+                 if isinstance(unit, FSDPModule) else {})
+        mixed = _MIXED[sharded_class] = type(sharded_class.__name__, (ShardedModule, sharded_class), {
+            "__module__": sharded_class.__module__, **extra})
     unit.__class__ = mixed
+
+
+def _check_one_kind(module: nn.Module | list[nn.Module], *, even: bool) -> None:
+    """Raise ConfigError where ``module`` holds units of the other kind of shards than it is about to get: torch's
+    ``fully_shard`` would take memory-sized rows for tensor parallelism, and hetdp's cannot take FSDP2's."""
+    other = UnevenModule if even else FSDPModule
+    for each in module if isinstance(module, list) else [module]:
+        inner = next((unit for unit in each.modules() if isinstance(unit, other)), None)
+        if inner is not None:
+            kinds = ("memory-sized shards", "torch's even ones") if even else ("torch's even shards", "memory-sized ones")
+            raise ConfigError(f"{type(inner).__name__} has {kinds[0]} and {type(each).__name__} would get {kinds[1]}: "
+                              "give every fully_shard call of a model the same shard_sizes")
+
+
+def _memory_split(module: nn.Module | list[nn.Module], options: dict[str, Any]
+                  ) -> tuple[tuple[float, ...], list[MemoryBudget]] | None:
+    """The weights of memory-sized shards and every rank's budget, or None where torch's even shards serve (no
+    process group of several ranks, memory unknown, or budgets within ``EVEN_WITHIN`` of each other)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    device_type = options["mesh"].device_type if options.get("mesh") is not None else default_device_type()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    budgets = memory_budgets(device)
+    weights = None if budgets is None else row_weights(budgets)
+    if weights is None or budgets is None:
+        return None
+    if isinstance(module, list):
+        raise ConfigError("fully_shard of a list of modules (one unit of several) does not map onto memory-sized "
+                          "shards: shard each module, or pass shard_sizes='even'")
+    return weights, budgets
 
 
 @overload
 def fully_shard(module: nn.Module, *, allocation: str | AllocationPolicy | None = ..., sync: str | SyncPolicy | None = ...,
                 step_timeout_s: float = ..., metrics: MetricsConfig | None = ..., emulation: Emulation | None = ...,
-                loss: LossConvention = ..., **fsdp_options: Any) -> nn.Module: ...
+                loss: LossConvention = ..., shard_sizes: Literal["memory", "even"] = ...,
+                **fsdp_options: Any) -> nn.Module: ...
 
 
 @overload
 def fully_shard(module: list[nn.Module], *, allocation: str | AllocationPolicy | None = ...,
                 sync: str | SyncPolicy | None = ..., step_timeout_s: float = ..., metrics: MetricsConfig | None = ...,
                 emulation: Emulation | None = ..., loss: LossConvention = ...,
-                **fsdp_options: Any) -> list[nn.Module]: ...
+                shard_sizes: Literal["memory", "even"] = ..., **fsdp_options: Any) -> list[nn.Module]: ...
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | AllocationPolicy | None = None,
                 sync: str | SyncPolicy | None = None, step_timeout_s: float = 60.0,
                 metrics: MetricsConfig | None = None, emulation: Emulation | None = None,
-                loss: LossConvention = "mean", **fsdp_options: Any) -> nn.Module | list[nn.Module]:
+                loss: LossConvention = "mean", shard_sizes: Literal["memory", "even"] = "memory",
+                **fsdp_options: Any) -> nn.Module | list[nn.Module]:
     """torch's ``fully_shard`` (every keyword of it passes through), whose modules also take the drop-in's surface:
     ``model.allocate(loader)`` on the root makes rank i compute ``shares[i]`` samples of every step, with the
     gradient exactly the mean over the step's samples.
@@ -203,6 +239,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
         loss: what each rank's loss is, as ``hetdp.DDP`` takes it: ``"mean"`` (the default: over the rank's own
             batch), ``"sum"`` or ``"global_mean"`` (over the step's tokens on all ranks); the gradient is FSDP2's on
             the same global batch at equal shares, whatever the shares.
+        shard_sizes: ``"memory"`` (the default): where the ranks' memories are known (``hetdp run --devices``, or
+            CUDA) and differ by more than 5%, each rank holds whole rows of every parameter in proportion to its
+            memory (``hetdp.fsdp.uneven``), agreed at each call before anything is placed; otherwise, and with
+            ``"even"``, torch's ``fully_shard`` cuts 1/W of each. Give every call the same.
         fsdp_options: passed to torch's ``fully_shard`` (``mesh``: a 1-D mesh of every rank, if given;
             ``reshard_after_forward``, ``mp_policy``, ...).
 
@@ -229,10 +269,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
     check_sharded()
     settings = DropInSettings(allocation=allocation, sync=sync, step_timeout_s=step_timeout_s, metrics=metrics,
                               emulation=emulation, loss=loss)
+    if shard_sizes not in ("memory", "even"):
+        raise ConfigError(f"shard_sizes must be 'memory' or 'even', got {shard_sizes!r}")
     for each in module if isinstance(module, list) else [module]:
         _check_names(each)
-    sharded = torch_fully_shard(module, **fsdp_options)
-    kept = {name: fsdp_options[name] for name in _KEPT_OPTIONS if name in fsdp_options}
+    split = _memory_split(module, fsdp_options) if shard_sizes == "memory" else None
+    _check_one_kind(module, even=split is None)
+    sharded = (torch_fully_shard(module, **fsdp_options) if split is None
+               else shard_rows(module, *split, **fsdp_options))  # type: ignore[arg-type]
+    kept = {name: value for name, value in {**fsdp_options, "shard_sizes": shard_sizes}.items()
+            if name in _KEPT_OPTIONS}
     for unit in sharded if isinstance(sharded, list) else [sharded]:
         _mix(unit)
         unit._hetdp_settings = settings
