@@ -13,7 +13,7 @@ def test_demo_prints_a_row_per_epoch_and_writes_files_alike(tmp_path, capsys):
     header = next(number for number, line in enumerate(lines) if line.split()[:2] == ["policy", "epoch"])
     assert lines[header].split() == ["policy", "epoch", "shares", "compute", "s", "wait", "s", "epoch", "s", "accuracy"]
     rows = [line.split()[:2] for line in lines[header + 2 : header + 6]]
-    assert rows == [["equal", "0"], ["equal", "1"], ["adaptive", "0"], ["adaptive", "1"]]
+    assert rows == [["equal", "0"], ["adaptive", "0"], ["adaptive", "1"], ["equal", "1"]]  # in turn, order reversed
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
     assert sorted(modes) == ["accuracy.png", "compute_wait.png", "demo.json", "shares.png"]
     assert len(set(modes.values())) == 1, modes  # demo.json as readable as the plots

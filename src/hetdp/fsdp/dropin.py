@@ -323,9 +323,12 @@ class ShardedDropIn(StepCoordinator):
         if max_batch is not None and not (isinstance(max_batch, str) and max_batch == "measure"):
             return super()._memory_caps(max_batch, loader, accumulates=accumulates)
         shapes, placed = unit_shapes(self.units, unit_options), storage_bytes(self.module.parameters())
-        held = self.footprint = (uneven_footprint(self.units, shapes, placed, gradients_wait=accumulates)
-                                 if isinstance(self.units[0], UnevenModule)
-                                 else footprint(shapes, placed, gradients_wait=accumulates))
+        def held_with(gradients_wait: bool) -> Footprint:
+            return (uneven_footprint(self.units, shapes, placed, gradients_wait=gradients_wait)
+                    if isinstance(self.units[0], UnevenModule) else footprint(shapes, placed,
+                                                                               gradients_wait=gradients_wait))
+
+        held = self.footprint = held_with(accumulates)
         mine = budget(self.rank, self.clock.device, self.emulation, held)
         per_sample: float | ConfigError | None = None
         if any(self._gather_objects(mine is not None and mine.per_sample_bytes is None, "agreeing on a probe")):
@@ -345,7 +348,7 @@ class ShardedDropIn(StepCoordinator):
                     return None
                 raise sample_bytes
             if not accumulates and sample_bytes:  # the cap were gradients to wait, for gradient_sync's warning
-                waiting = footprint(shapes, shards, gradients_wait=True).waiting
+                waiting = held_with(True).waiting
                 room = math.floor((mine.memory_bytes - mine.held_bytes - waiting) / sample_bytes)
                 self._unwaited = _Unwaited(waiting, max(room, 0))
             return shard_cap(mine.memory_bytes, mine.held_bytes, sample_bytes or 0.0, device=mine.device)
