@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetdp.cli.run import add_node_arguments, nodes_from_args
+from hetdp.cli.run import add_node_arguments, group_ranks, nodes_from_args
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.flags import positive_int
@@ -84,7 +84,8 @@ def parse_per_rank(text: str | None, flag: str, nproc: int, *, positive: bool) -
 
 def run(args: argparse.Namespace) -> int:
     nodes = nodes_from_args(args)
-    nproc = args.nproc * (nodes.count if nodes is not None else 1)
+    texts = {"--speeds": args.speeds, "--bandwidths-mbps": args.bandwidths_mbps, "--latencies-ms": args.latencies_ms}
+    nproc = group_ranks(args, nodes, {flag: len(text.split(",")) for flag, text in texts.items() if text})
     speeds = parse_speeds(args.speeds, nproc) if args.speeds else None
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms)
     bandwidths = parse_per_rank(args.bandwidths_mbps, "--bandwidths-mbps", nproc, positive=True)
