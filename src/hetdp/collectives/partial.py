@@ -65,8 +65,7 @@ class Partial:
     fresh, and a real straggler is still not waited for."""
     bypass: bool = True
     """Majority mode: a round whose initiator is the only rank still out, once the others waited out their grace,
-    fires without it, unless that initiator was bypassed before and has not arrived at a round since (see
-    ``RoundControl.arrive``). A rank late once, a transient straggler, then holds up no round; a rank late for good
+    fires without it, unless that initiator was bypassed before and has not arrived at a round since. A rank late once, a transient straggler, then holds up no round; a rank late for good
     is bypassed at most once between two of its arrivals, so it falls at most about a round further behind than
     under the paper's rule. False fires only on the initiator's arrival, as the paper does."""
     timeouts: Timeouts | None = None
@@ -147,7 +146,7 @@ class PartialResult:
     """Earlier rounds the same call returns, oldest first: rounds run while this rank was away."""
     last: float | None = None
     """The sum's last element, read on the host with the round's counters: a caller that keeps a weight there
-    (``PartialGradients``) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
+    (the drop-in does) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
     device's whole queue)."""
 
     @property
