@@ -102,6 +102,7 @@ class ShardedModule:
 
     @property
     def allocator(self) -> Allocator | None:
+        """The allocation's state (for adaptive allocation, what it measured), or None before ``allocate``."""
         return None if self._hetdp_drop_in is None else self._hetdp_drop_in.allocator
 
     @property
@@ -111,6 +112,7 @@ class ShardedModule:
 
     @property
     def epoch_reports(self) -> list[EpochReport]:
+        """Every epoch's report so far, oldest first (identical on every rank)."""
         return [] if self._hetdp_drop_in is None else self._hetdp_drop_in.epoch_reports
 
     @property
