@@ -85,7 +85,7 @@ class Partial:
 
     def __post_init__(self, sync_every: int | None) -> None:
         if sync_every is not None:
-            warnings.warn("hetdp.Partial(sync_every=K) is deprecated and goes in the next release; use "
+            warnings.warn("hetdp.Partial(sync_every=K) is deprecated and goes after 0.1.0; use "
                           "hetdp.Partial(every=K), as hetdp.LocalAveraging(every=K)", DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "every", sync_every)
         if self.mode not in MODES:
