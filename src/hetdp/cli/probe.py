@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="measure N local ranks (batch time, memory, links from rank 0) and write a cluster file",
         description="Launch N local ranks (or this node's N ranks of a launch across several, --nnodes), time each "
         "one's batches and its link from rank 0 (the data owner) with real transfers, estimate its memory per "
-        "sample, and write a cluster file that `hetdp plan` reads. Across nodes, node 0 writes the file, and the per-rank "
-        "flags give one value per global rank, the same list on every node.",
+        "sample, and write a cluster file that `hetdp plan` reads. Across nodes, node 0 writes the file, and the "
+        "per-rank flags give one value per global rank, the same list on every node.",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
     add_node_arguments(parser)

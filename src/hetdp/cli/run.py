@@ -93,7 +93,8 @@ def group_ranks(args: argparse.Namespace, nodes: Nodes | None, counts: dict[str,
 
 def _per_rank_counts(args: argparse.Namespace) -> dict[str, int]:
     """How many values each per-rank emulation flag given holds, by flag (a device table: its devices)."""
-    texts = {"--speeds": args.speeds, **{f"--speed-change {text}": text.partition(":")[2] for text in args.speed_change}}
+    texts = {"--speeds": args.speeds}
+    texts.update((f"--speed-change {text}", text.partition(":")[2]) for text in args.speed_change)
     texts.update((f"--{name.replace('_', '-')}", getattr(args, name)) for name in
                  ("step_overhead_ms", "knee", "max_batch", "micro_overhead_ms"))
     counts = {flag: len(text.split(",")) for flag, text in texts.items() if text}

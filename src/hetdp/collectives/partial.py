@@ -65,9 +65,10 @@ class Partial:
     fresh, and a real straggler is still not waited for."""
     bypass: bool = True
     """Majority mode: a round whose initiator is the only rank still out, once the others waited out their grace,
-    fires without it, unless that initiator was bypassed before and has not arrived at a round since. A rank late once, a transient straggler, then holds up no round; a rank late for good
-    is bypassed at most once between two of its arrivals, so it falls at most about a round further behind than
-    under the paper's rule. False fires only on the initiator's arrival, as the paper does."""
+    fires without it, unless that initiator was bypassed before and has not arrived at a round since. A rank late
+    once, a transient straggler, then holds up no round; a rank late for good is bypassed at most once between two
+    of its arrivals, so it falls at most about a round further behind than under the paper's rule. False fires only
+    on the initiator's arrival, as the paper does."""
     timeouts: Timeouts | None = None
     """``connect_s``: creating the group and connecting to the store. ``round_s``: how long a call waits for its
     round (to fire, then to be reduced) before a PeerTimeoutError names the rank it waited for; also the gloo
