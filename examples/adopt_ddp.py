@@ -1,4 +1,4 @@
-"""A typical user's DDP script, adopted by hetdp: the user's plain DDP loop with 5 lines changed.
+"""A typical user's DDP script, adopted by hetdp: in the user's plain DDP loop, three lines replaced by five.
 
 The loop body is the user's own: dict batches, a DataLoader with a worker, AdamW
 with a per-step OneCycle schedule, autocast with a GradScaler, gradient clipping

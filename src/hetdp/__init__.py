@@ -78,9 +78,10 @@ _DEPRECATED = {
     "PartialConfig": ("hetdp.collectives.partial", "hetdp.Partial(...), whose grace=0.0 and bypass=False are the "
                       "paper's round rules (its own defaults are the drop-in's)"),
 }
-"""Names that left the public API, with their module and their replacement: they keep working for a release.
-(``AllocatedTrainer``, ``EagerSGD``, ``train_cadp`` and ``WeightedDistributedSampler``, deprecated a release ago,
-are gone: every technique is a pairing on ``hetdp.DDP``.)"""
+"""Names that left the public API, with their module and their replacement: they keep working, with a warning,
+through 0.1.0 (not yet released). (``AllocatedTrainer``, ``EagerSGD``, ``train_cadp`` and
+``WeightedDistributedSampler``, deprecated earlier in 0.1.0's development, are gone: every technique is a pairing on
+``hetdp.DDP``.)"""
 
 
 _LAZY = {"fully_shard": "hetdp.fsdp.shard"}
@@ -94,6 +95,6 @@ def __getattr__(name: str) -> object:
     if name not in _DEPRECATED:
         raise AttributeError(f"module 'hetdp' has no attribute {name!r}")
     module, replacement = _DEPRECATED[name]
-    warnings.warn(f"hetdp.{name} is deprecated and goes in the next release; use {replacement}", DeprecationWarning,
+    warnings.warn(f"hetdp.{name} is deprecated and goes after 0.1.0; use {replacement}", DeprecationWarning,
                   stacklevel=2)
     return getattr(importlib.import_module(module), name)

@@ -3,6 +3,8 @@
 import pytest
 
 from hetdp.cli import main
+from hetdp.cluster.emulate import Emulation
+from hetdp.errors import ConfigError
 
 
 def run_cli(capsys, *argv):
@@ -70,3 +72,45 @@ def test_a_bad_speed_is_one_line_naming_the_rank_and_no_traceback(capsys):
     # In this process: tests/unit/test_cli.py runs the installed command itself, `python -m hetdp.cli`, once.
     assert main(["run", "-n", "2", "--speeds", "1,0", "train.py"]) == 2
     assert capsys.readouterr().err == "hetdp run: error: speeds must be positive numbers, got '0' (rank 1)\n"
+
+
+NODE_FLAGS = ["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500"]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """What `hetdp run` would hand torchrun on this node, instead of launching it."""
+    import hetdp.cli.run
+
+    seen = []
+
+    def launch(script, nproc, script_args, *, env, nodes, **_):
+        seen.append({"nproc": nproc, "env": env, "node": nodes.rank})
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(hetdp.cli.run, "run_local", launch)
+    return seen
+
+
+def test_nodes_with_unequal_ranks_share_one_list_of_global_values(capsys, script, launches):
+    # node 0 runs global ranks 0 and 1, node 1 runs rank 2: the same flags on both, one value per global rank
+    per_rank = ["--speeds", "1,2,4", "--sample-cost-ms", "5", "--max-batch", "0,0,16", "--speed-change", "9:4,2,1"]
+    for node, nproc in ((0, "2"), (1, "1")):
+        assert main(["run", "-n", nproc, *NODE_FLAGS, "--node-rank", str(node), *per_rank, str(script)]) == 0
+    first, second = (Emulation.from_env(launch["env"]) for launch in launches)
+    assert first == second and [launch["nproc"] for launch in launches] == [2, 1]
+    # each worker takes the value at its global rank; a group of another size is refused on every rank
+    assert [first.speed(rank) for rank in range(3)] == [1.0, 2.0, 4.0] and first.pacer(2, 3).rank == 2
+    assert first.devices[2].max_batch == 16 and first.speeds_at(9) == (4.0, 2.0, 1.0)
+    with pytest.raises(ConfigError, match=r"gives 3 speeds \(HETDP_SPEEDS\) for a group of 4 ranks"):
+        first.pacer(0, 4)
+
+
+@pytest.mark.parametrize(("nproc", "flags", "message"), [
+    ("2", ["--speeds", "1,2"], "--speeds gives 2 values, fewer than the 3 ranks of this launch at the least"),
+    ("1", ["--speeds", "1,2,4", "--knee", "0,8"], "--knee gives 2 values for 3 processes"),
+    ("1", ["--speeds", "1,2,4", "--speed-change", "5:1,1"], "--speeds gives 2 values for 3 processes"),
+])
+def test_per_rank_flags_across_nodes_must_agree_and_cover_the_group(capsys, script, launches, nproc, flags, message):
+    code, err = run_cli(capsys, "run", "-n", nproc, *NODE_FLAGS, "--node-rank", "1", *flags, str(script))
+    assert code == 2 and message in err and err.count("\n") == 1 and launches == []

@@ -132,3 +132,88 @@ def test_docstrings_use_the_sections_the_reference_renders_not_restructuredtext(
              for path in sorted(package.rglob("*.py")) for text in [path.read_text()]
              for match in RST_MARKUP.finditer(text)]
     assert found == []
+
+
+PUBLIC_MODULES = ("hetdp.integrations", "hetdp.integrations.lightning", "hetdp.integrations.accelerate",
+                  "hetdp.integrations.transformers", "hetdp.hosts")
+"""Modules a user imports from by name (the guide's adapters and emulated hosts), beside ``hetdp`` itself."""
+
+
+def _reference_entries() -> list[str]:
+    """Every ``::: hetdp...`` entry of the API reference, in page order."""
+    pages = "".join(page.read_text() for page in sorted((DOCS / "reference").glob("*.md")))
+    return re.findall(r"^::: (hetdp[\w.]*)$", pages, re.MULTILINE)
+
+
+def test_no_object_has_two_reference_entries():
+    entries = _reference_entries()
+    assert sorted(entries) == sorted(set(entries))
+
+
+@pytest.fixture(scope="module")
+def package():
+    """hetdp as griffe reads it for the reference: docstrings of attributes included."""
+    griffe = pytest.importorskip("griffe", reason="griffe comes with the docs tools (mkdocstrings-python)")
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT / "src")])
+    package = loader.load("hetdp")
+    loader.resolve_aliases(implicit=False, external=False)
+    return package
+
+
+def _target(obj):
+    return obj.final_target if obj.is_alias else obj
+
+
+def _documented(package) -> dict[str, object]:
+    """What the reference shows: every public name and reference entry, and their members without a leading
+    underscore (inherited ones included, as a subclass shows them), by path."""
+    pending = [_target(package[name]) for name in hetdp.__all__]
+    pending += [_target(package[path.removeprefix("hetdp.")]) for path in _reference_entries()]
+    found: dict[str, object] = {}
+    while pending:
+        obj = pending.pop()
+        if obj.path in found:
+            continue
+        found[obj.path] = obj
+        if obj.is_class:
+            members = {**obj.inherited_members, **obj.members}
+            for name, member in members.items():
+                if not name.startswith("_") and not (member.is_alias and member.target_path.split(".")[0] != "hetdp"):
+                    pending.append(_target(member))
+    return found
+
+
+def _internal_names(package) -> set[str]:
+    """Classes and functions of hetdp that are not public: a docstring that names one points where users cannot go."""
+    public = set(hetdp.__all__) | {path.rsplit(".", 1)[1] for path in _reference_entries()}
+    defined: set[str] = set()
+    pending = [package]
+    while pending:
+        module = pending.pop()
+        for name, member in module.members.items():
+            if member.is_alias:
+                continue
+            if member.is_module:
+                if member.path not in PUBLIC_MODULES:
+                    pending.append(member)
+            elif (member.is_class or member.is_function) and name[0].isupper():
+                defined.add(name)
+    return defined - public
+
+
+MODULE_PATH = re.compile(r"\bhetdp(?:\.\w+)+")
+UNDERSCORE_NAME = re.compile(r"(?:(?<=\s)|(?<=`)|(?<=\()|^)_[A-Za-z]\w*", re.MULTILINE)
+QUOTED_NAME = re.compile(r"`+(\w+)[\w.]*(?:\(\))?`+")
+
+
+def test_public_docstrings_name_no_internal_module_or_private_name(package):
+    public_paths = [*(f"hetdp.{name}" for name in hetdp.__all__), *_reference_entries(), *PUBLIC_MODULES]
+    internal = _internal_names(package)
+    found = []
+    for path, obj in sorted(_documented(package).items()):
+        text = obj.docstring.value if obj.docstring else ""
+        found += [f"{path}: {m}" for m in MODULE_PATH.findall(text)
+                  if not any(m == public or m.startswith(public + ".") for public in public_paths)]
+        found += [f"{path}: {m}" for m in UNDERSCORE_NAME.findall(text)]
+        found += [f"{path}: {m}" for m in QUOTED_NAME.findall(text) if m in internal]
+    assert found == []

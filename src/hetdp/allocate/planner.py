@@ -125,12 +125,11 @@ def plan(
         cluster: the devices and their links.
         dataset_size: D, samples to distribute (every sample goes to exactly one device).
         epochs: num, epochs of local training, each followed by a weighted merge.
-        method: ``"exact"`` (integer-optimal search, see ``hetdp.allocate.exact``) or
-            ``"alm"`` (the paper's Algorithm 1, see ``hetdp.allocate.alm``).
+        method: ``"exact"`` (an integer-optimal search) or ``"alm"`` (the paper's
+            Algorithm 1, an augmented Lagrangian method).
         **options: ``min_samples`` (int, default 0: samples every device must receive; a
-            device may otherwise get none and only take part in the merge), ``config``
-            (an ``AlmConfig`` or ``ExactConfig``), or any field of the method's
-            config by name (e.g. ``p=200`` for ALM).
+            device may otherwise get none and only take part in the merge), or any setting
+            of the method's solver by name (e.g. ``p=200`` for ALM).
 
     Returns:
         The plan; ``plan.samples`` sums to ``dataset_size``.

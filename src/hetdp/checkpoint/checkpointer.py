@@ -257,8 +257,8 @@ class CheckpointState:
         return checkpointer
 
     def hetdp_state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs beside the module and optimizer (``ResumeState``): the allocation and the
-        position in the data."""
+        """What a resumed run needs beside the module and optimizer: the allocation, the steps done and the
+        position in the data, as plain data (what ``load_hetdp_state_dict`` takes)."""
         self._planner.settle()
         steps_done, allocator = self._planner.steps_done, self._planner.allocator
         return ResumeState(allocator=None if allocator is None else allocator.state_dict(),

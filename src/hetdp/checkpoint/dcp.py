@@ -2,8 +2,8 @@
 code or reading outside their folder.
 
 A DCP save rewrites a folder's shard files in place, so a save killed midway
-leaves a folder of mixed steps that may even load without an error (the sharded
-spike: every tensor of a model-only state a mix of two steps). Here each save
+leaves a folder of mixed steps, which nothing in DCP's metadata tells from a
+complete one, so it may load without an error. Here each save
 goes to a fresh folder, renamed into place once every rank wrote its part, and
 a ``latest`` file, replaced atomically, names the newest complete one. A save
 of a step already saved goes to a folder of its own name too: at every instant

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetdp.cli.run import add_node_arguments, nodes_from_args
+from hetdp.cli.run import add_node_arguments, group_ranks, nodes_from_args
 from hetdp.cluster.emulate import Emulation, parse_speeds
 from hetdp.errors import ConfigError, HetDPError
 from hetdp.flags import positive_int
@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="measure N local ranks (batch time, memory, links from rank 0) and write a cluster file",
         description="Launch N local ranks (or this node's N ranks of a launch across several, --nnodes), time each "
         "one's batches and its link from rank 0 (the data owner) with real transfers, estimate its memory per "
-        "sample, and write a cluster file that `hetdp plan` reads. Across nodes, node 0 writes the file.",
+        "sample, and write a cluster file that `hetdp plan` reads. Across nodes, node 0 writes the file, and the "
+        "per-rank flags give one value per global rank, the same list on every node.",
     )
     parser.add_argument("-n", "--nproc", type=positive_int, required=True, help="number of local ranks")
     add_node_arguments(parser)
@@ -84,7 +85,8 @@ def parse_per_rank(text: str | None, flag: str, nproc: int, *, positive: bool) -
 
 def run(args: argparse.Namespace) -> int:
     nodes = nodes_from_args(args)
-    nproc = args.nproc * (nodes.count if nodes is not None else 1)
+    texts = {"--speeds": args.speeds, "--bandwidths-mbps": args.bandwidths_mbps, "--latencies-ms": args.latencies_ms}
+    nproc = group_ranks(args, nodes, {flag: len(text.split(",")) for flag, text in texts.items() if text})
     speeds = parse_speeds(args.speeds, nproc) if args.speeds else None
     emulation = Emulation(speeds=speeds, sample_cost_ms=args.sample_cost_ms)
     bandwidths = parse_per_rank(args.bandwidths_mbps, "--bandwidths-mbps", nproc, positive=True)

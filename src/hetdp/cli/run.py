@@ -67,6 +67,42 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
                  join_timeout_s=args.join_timeout_s)
 
 
+def group_ranks(args: argparse.Namespace, nodes: Nodes | None, counts: dict[str, int]) -> int:
+    """How many ranks the per-rank flags given must describe; ``counts`` holds how many values each gives, by flag.
+
+    On one node, its ``-n``. Across nodes, the whole group, which each node's own ``-n`` sizes and no node can count
+    at launch: the first flag given says it, and every node passes the same list to its workers, each of which
+    takes the value at its global rank (node K's ranks follow node K-1's). Every rank checks the list against the
+    group's real size when it starts (``Emulation.pacer``).
+
+    Raises:
+        ConfigError: across nodes, fewer values than this node's ranks and one for each other node.
+    """
+    if nodes is None:
+        return args.nproc
+    if not counts:
+        return args.nproc * nodes.count
+    flag, count = next(iter(counts.items()))
+    least = args.nproc + nodes.count - 1
+    if count < least:
+        raise ConfigError(f"{flag} gives {count} values, fewer than the {least} ranks of this launch at the least "
+                          f"(-n {args.nproc} here and one or more on each of the {nodes.count - 1} other nodes): "
+                          "across nodes, give one value per global rank, the same list on every node")
+    return count
+
+
+def _per_rank_counts(args: argparse.Namespace) -> dict[str, int]:
+    """How many values each per-rank emulation flag given holds, by flag (a device table: its devices)."""
+    texts = {"--speeds": args.speeds}
+    texts.update((f"--speed-change {text}", text.partition(":")[2]) for text in args.speed_change)
+    texts.update((f"--{name.replace('_', '-')}", getattr(args, name)) for name in
+                 ("step_overhead_ms", "knee", "max_batch", "micro_overhead_ms"))
+    counts = {flag: len(text.split(",")) for flag, text in texts.items() if text}
+    if args.devices is not None:
+        counts["--devices"] = len(read_device_table(args.devices).devices)
+    return counts
+
+
 def emulation_from_args(args: argparse.Namespace, nproc: int) -> Emulation:
     """Validate the emulation flags against ``nproc``; raises ConfigError naming the bad flag."""
     speeds = parse_speeds(args.speeds, nproc) if args.speeds else None
@@ -132,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     nodes = nodes_from_args(args)
-    emulation = emulation_from_args(args, args.nproc * (nodes.count if nodes is not None else 1))
+    emulation = emulation_from_args(args, group_ranks(args, nodes, _per_rank_counts(args) if nodes else {}))
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script not found: {script}")

@@ -377,8 +377,8 @@ class Pacer:
         just computed.
 
         Padding once at the step's end would leave each collective waiting for the slowest rank's real compute and
-        then add the slow rank's whole padding at the end (the sharded spike measured steps 50% longer than
-        emulated); pacing every segment keeps each collective where the emulated devices would reach it. The
+        then add the slow rank's whole padding at the end, so that steps last longer than emulated; pacing
+        every segment keeps each collective where the emulated devices would reach it. The
         time a rank waits inside collectives is not compute, and does not count towards its block.
         """
         if not self.active:

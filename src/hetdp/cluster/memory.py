@@ -151,7 +151,7 @@ def saved_tensor_bytes(forward: Callable[[], Any], parameters: Callable[[], Iter
     Each storage counts once (views of one tensor share it), and a storage of ``parameters()`` at the moment a
     tensor is saved does not count: a layer saves its weight, which is the model's state, not the batch's. Under
     FSDP2 a unit's unsharded parameters live only while it runs, so ``parameters()`` is read at each save. Counted
-    this way, the bytes grow linearly with the batch (the sharded spike: 0.01% off a line on a transformer).
+    this way, what is left is the batch's; the caps assume it grows linearly with the batch.
 
     Returns:
         (bytes saved, what ``forward()`` returned: its backward is the caller's to run or drop).

@@ -65,10 +65,10 @@ class Partial:
     fresh, and a real straggler is still not waited for."""
     bypass: bool = True
     """Majority mode: a round whose initiator is the only rank still out, once the others waited out their grace,
-    fires without it, unless that initiator was bypassed before and has not arrived at a round since (see
-    ``RoundControl.arrive``). A rank late once, a transient straggler, then holds up no round; a rank late for good
-    is bypassed at most once between two of its arrivals, so it falls at most about a round further behind than
-    under the paper's rule. False fires only on the initiator's arrival, as the paper does."""
+    fires without it, unless that initiator was bypassed before and has not arrived at a round since. A rank late
+    once, a transient straggler, then holds up no round; a rank late for good is bypassed at most once between two
+    of its arrivals, so it falls at most about a round further behind than under the paper's rule. False fires only
+    on the initiator's arrival, as the paper does."""
     timeouts: Timeouts | None = None
     """``connect_s``: creating the group and connecting to the store. ``round_s``: how long a call waits for its
     round (to fire, then to be reduced) before a PeerTimeoutError names the rank it waited for; also the gloo
@@ -86,7 +86,7 @@ class Partial:
 
     def __post_init__(self, sync_every: int | None) -> None:
         if sync_every is not None:
-            warnings.warn("hetdp.Partial(sync_every=K) is deprecated and goes in the next release; use "
+            warnings.warn("hetdp.Partial(sync_every=K) is deprecated and goes after 0.1.0; use "
                           "hetdp.Partial(every=K), as hetdp.LocalAveraging(every=K)", DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "every", sync_every)
         if self.mode not in MODES:
@@ -147,7 +147,7 @@ class PartialResult:
     """Earlier rounds the same call returns, oldest first: rounds run while this rank was away."""
     last: float | None = None
     """The sum's last element, read on the host with the round's counters: a caller that keeps a weight there
-    (``PartialGradients``) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
+    (the drop-in does) reads it without a device round trip (reading ``tensor`` on a GPU would wait for the
     device's whole queue)."""
 
     @property

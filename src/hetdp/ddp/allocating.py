@@ -69,7 +69,7 @@ class Allocating:
                 theirs, so every rank must pass one) or every rank's (a sequence, None for no cap). ``"measure"``:
                 each rank's own, so that memory sets the shares with no tuning by hand: on CUDA from the peak memory
                 of trial forward and backward passes of ``loader``'s first batch at its full and half size, which
-                leave no trace (``hetdp.cluster.memory``; not yet verified on a real GPU), elsewhere the emulated
+                leave no trace (not yet verified on a real GPU), elsewhere the emulated
                 device's cap or none. None: the emulated devices' caps under ``hetdp run --devices``, else no cap.
                 Unless ``accumulates``, each share is capped by it (collective: every rank passes the same kind of
                 value).
@@ -83,7 +83,8 @@ class Allocating:
             own_data: ``loader`` holds this rank's own samples, not a dataset every rank shares (C-ADP: what
                 ``hetdp.distribute`` delivered). Each epoch, every rank trains all of its samples in batches of its
                 own size: under ``hetdp.Planned(cluster)`` its device's ``batch_size``, under ``"equal"`` its
-                loader's; an epoch has as many steps as the rank with the most batches (``hetdp.data.owndata``).
+                loader's; an epoch has as many steps as the rank with the most batches (a rank out of batches runs
+                stand-ins).
                 Under ``"local"`` the epoch's merge weighs rank i's model by D_i / D.
 
         Raises:
@@ -178,7 +179,8 @@ class Allocating:
         first step no rank's loader has cut yet, which the ranks agree on in a collective).
 
         Every rank calls it with the same values at the same point of the loop. Under allreduce a rank given 0 sits
-        out of the exchange (``hetdp.membership``); under adaptive allocation the re-plans go on from these shares.
+        out of the exchange, as a rank that sits out does; under adaptive allocation the re-plans go on from these
+        shares.
         For benchmarks and experiments that pin the split; an allocation decides it otherwise.
 
         Raises:

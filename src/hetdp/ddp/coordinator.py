@@ -181,7 +181,7 @@ class StepCoordinator(Allocating, CheckpointState):
 
     def loader_exhausted(self) -> None:
         """The allocated loader yielded its epoch's last batch: the epoch ends now if every step of it closed, else
-        when its last closes (``_close_bound``)."""
+        when its last step closes."""
         if self._steps.open is None and not self._ahead:
             self.end_epoch()
         else:

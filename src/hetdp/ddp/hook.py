@@ -112,7 +112,7 @@ def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, 
         raise ConfigError(f"partial synchronization needs trainable parameters of one dtype and device, got {kinds}")
     like = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     if spec.timeouts is not None:
-        warnings.warn("hetdp.Partial(timeouts=...) in hetdp.DDP is deprecated and goes in the next release: a round "
+        warnings.warn("hetdp.Partial(timeouts=...) in hetdp.DDP is deprecated and goes after 0.1.0: a round "
                       "is the step's exchange, so it waits hetdp.DDP(step_timeout_s=...), as every step does",
                       DeprecationWarning, stacklevel=4)
     config = dataclasses.replace(spec, timeouts=spec.timeouts or Timeouts(round_s=timeout_s))

@@ -84,7 +84,7 @@ class EpochReport:
     epoch_s: float
     """Wall-clock seconds of the epoch on the slowest rank, from its start to the figures' gather at its end: the
     gather itself, an epoch's merge and the catch-up of ranks that sat out come after it. To compare runs, time
-    whole epochs on one clock (``hetdp.bench.compare``)."""
+    whole epochs on one clock, their end work included (as ``hetdp bench`` does)."""
     compute_s: list[float]
     """Per rank: seconds computing its shares (forward, backward, emulated slowness), no waiting."""
     wait_s: list[float]

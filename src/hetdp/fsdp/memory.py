@@ -51,7 +51,7 @@ class UnitShape:
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one rank holds whatever its batch, in bytes (the sharded spike's formula, checked on a transformer)."""
+    """What one rank holds whatever its batch, in bytes."""
 
     parameters: int
     """Its shards of the parameters, as placed (padded to a multiple of the world size)."""

@@ -102,6 +102,7 @@ class ShardedModule:
 
     @property
     def allocator(self) -> Allocator | None:
+        """The allocation's state (for adaptive allocation, what it measured), or None before ``allocate``."""
         return None if self._hetdp_drop_in is None else self._hetdp_drop_in.allocator
 
     @property
@@ -111,6 +112,7 @@ class ShardedModule:
 
     @property
     def epoch_reports(self) -> list[EpochReport]:
+        """Every epoch's report so far, oldest first (identical on every rank)."""
         return [] if self._hetdp_drop_in is None else self._hetdp_drop_in.epoch_reports
 
     @property
@@ -130,7 +132,11 @@ class ShardedModule:
     def checkpointer(self, folder: str | Path, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                      scaler: Any = None, every: int = 100) -> ShardedCheckpointer:
         """Save the sharded state every ``every`` steps through torch.distributed.checkpoint, atomically; ``resume()``
-        before the loop (``ShardedDropIn.checkpointer``)."""
+        it before the loop. Every rank writes into ``folder``: across machines, a folder every rank reaches.
+
+        Raises:
+            ConfigError: before ``allocate``.
+        """
         return self._drop_in().checkpointer(folder, optimizer, scheduler=scheduler, scaler=scaler, every=every)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -241,7 +247,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
             the same global batch at equal shares, whatever the shares.
         shard_sizes: ``"memory"`` (the default): where the ranks' memories are known (``hetdp run --devices``, or
             CUDA) and differ by more than 5%, each rank holds whole rows of every parameter in proportion to its
-            memory (``hetdp.fsdp.uneven``), agreed at each call before anything is placed; otherwise, and with
+            memory (an ``UnevenModule``), agreed at each call before anything is placed; otherwise, and with
             ``"even"``, torch's ``fully_shard`` cuts 1/W of each. Give every call the same.
         fsdp_options: passed to torch's ``fully_shard`` (``mesh``: a 1-D mesh of every rank, if given;
             ``reshard_after_forward``, ``mp_policy``, ...).
@@ -250,7 +256,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, allocation: str | Alloca
         What torch's ``fully_shard`` returns: the module(s), now FSDP modules with the drop-in's surface.
 
     Raises:
-        ConfigError: a torch whose FSDP2 lacks a method the drop-in calls (``hetdp.floor.check_sharded``), a bad
+        ConfigError: a torch whose FSDP2 lacks a method the drop-in calls (torch < 2.13), a bad
             setting, or a module with names of its own that the drop-in would hide, before anything is sharded.
 
     Examples:

@@ -184,8 +184,10 @@ class HetdpShardedStrategy(_SampleMeans, ModelParallelStrategy):
     (``accumulate_grad_batches``): each is a step of the drop-in, weighed by its own shares. Each epoch's figures
     reach Lightning's loggers as ``hetdp/...`` metrics.
 
-    Lightning's checkpoints hold none of hetdp's allocation or position: a fit resumed with ``ckpt_path`` starts
-    the allocation afresh.
+    Lightning's checkpoints (sharded, as ``ModelParallelStrategy`` writes them: a folder every rank writes into) hold
+    none of hetdp's allocation: a fit resumed with ``ckpt_path`` starts the shares afresh. The position in the epoch is
+    kept, in Lightning's loop state, by the re-cut loader (as under ``strategy="hetdp"``); a resume inside an epoch
+    has not been tested under this strategy.
 
     Warning:
         Every rank must run the same Trainer settings: each step is collective, and every rank joins every unit's

@@ -51,20 +51,20 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
     world size).
 
     The placement comes from torchrun's (and ``hetdp run``'s), Slurm ``srun``'s or a PyTorchJob's variables
-    (``hetdp.runtime.engines``), and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
+    and is set as torchrun's variables for the rest of the process (``LOCAL_RANK``,
     ``MASTER_ADDR``...). Under Ray Train the group already exists: Ray's ``TorchConfig`` joins every worker before
     the training function runs, and this returns Ray's rank and world size. Across nodes, gloo speaks on the
-    interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (``engines.gloo_interface``;
-    hetdp's gloo groups under NCCL use it too). The backend defaults to NCCL when every rank on this machine has a
+    interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise (hetdp's
+    gloo groups under NCCL use it too). The backend defaults to NCCL when every rank on this machine has a
     GPU of its own and gloo otherwise (NCCL refuses two ranks on one GPU, as when four emulated workers share a
     laptop's GPU). A process already in a group keeps it, so library code may call this freely. Under torchrun, a
     worker's uncaught exception is left in its error file as one line naming its rank, which torchrun's failure
-    summary shows as the root cause (``hetdp.runtime.errorfile``).
+    summary shows as the root cause.
 
     Raises:
         ConfigError: no engine's variables, or incomplete ones (the message names what is missing); a
             ``GLOO_SOCKET_IFNAME`` naming an interface this machine lacks; in a Ray Train worker, a Ray older than
-            hetdp's floor (``hetdp.floor.FRAMEWORKS``).
+            2.60, hetdp's floor for Ray Train.
     """
     if dist.is_initialized():
         ray = sys.modules.get("ray")
