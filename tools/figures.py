@@ -9,7 +9,7 @@ different runs of a bench, and a figure outside its target is marked wherever it
     (the whole table, rows rendered from each bench's templates)
     <!-- /figures -->
 
-Commands (run from the repository root):
+A span in backticks is an example, left as it is. Commands (run from the repository root):
 
     python tools/figures.py record BENCH JSON [--commit C] [--date D] [--fresh] [--set KEY=VALUE ...]
     python tools/figures.py write
@@ -46,8 +46,8 @@ FIGURES = Path("docs/figures.toml")
 PAGES = ("README.md", "docs/**/*.md")
 MARK = "✗"
 NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
-SPAN = re.compile(r"<!-- figure (?P<name>[\w.:+-]+) -->(?P<text>.*?)<!-- /figure -->", re.DOTALL)
-TABLE = re.compile(r"<!-- figures table=(?P<name>[\w-]+) -->\n(?P<text>.*?)<!-- /figures -->", re.DOTALL)
+SPAN = re.compile(r"(?<!`)<!-- figure (?P<name>[\w.:+-]+) -->(?P<text>.*?)<!-- /figure -->", re.DOTALL)
+TABLE = re.compile(r"(?<!`)<!-- figures table=(?P<name>[\w-]+) -->\n(?P<text>.*?)<!-- /figures -->", re.DOTALL)
 FIELD = re.compile(r"\{(?P<key>[A-Za-z_]\w*)(?::(?P<mode>[\w+]+))?\}")
 EXPONENT = re.compile(r"e([+-])0*(\d)")
 TARGET = re.compile(r"^\s*(?P<op><=|>=)\s*(?P<number>\S+)\s*$")
