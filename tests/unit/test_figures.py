@@ -139,3 +139,41 @@ def test_a_span_in_backticks_is_an_example_left_alone(tmp_path):
     (root / "README.md").write_text(page)
     assert figures.main(["write"], root=root) == 0
     assert (root / "README.md").read_text() == f"`{span.format('...')}`, {span.format('0.082')}\n"
+
+
+def _bench_test(name: str):
+    """A bench's own unit-test module, for the raw figures its tests summarize."""
+    spec = importlib.util.spec_from_file_location(f"figures_{name}", ROOT / "tests" / "unit" / f"test_bench_{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _summaries() -> dict[str, dict]:
+    """What `hetdp bench NAME --json` writes, for the benches whose tests summarize raw figures in one process."""
+    from hetdp.bench import allocation, fsdp, gpu, memory, subset
+
+    gpu_runs = {pairing: {"epoch_s": [5.0, 2.0, 2.0], "shares": [500, 4, 4, 4], "sat_out": []}
+                for pairing in gpu.PAIRINGS}
+    gpu_mixed = {"runs": {name: {**gpu_runs, "gpu_alone": {"epoch_s": [3.0, 1.0, 1.0]}} for name in gpu.MODELS},
+                 "parameters": {name: 1000 for name in gpu.MODELS}}
+    alloc = _bench_test("allocation")
+    side = alloc._rows([3.0, 2.0, 2.0, 2.0], [16] * 4, [1.0] * 4, [100] * 4)
+    homogeneous = {"torch_ddp": side, "hetdp_adaptive": side, "hetdp_equal": side}
+    return {
+        "allocation": allocation.summarize(alloc.SPEEDS, alloc._raw(homogeneous)),
+        "fsdp": fsdp.summarize(_bench_test("fsdp")._raw({"16": 9_000_000, "20": 11_400_000})),
+        "memory": memory.summarize(_bench_test("memory")._raw(), (12.0, 12.0, 24.0, 48.0)),
+        "subset": subset.summarize(_bench_test("subset")._raw(exchange_s=0.05)),
+        "gpu": gpu.summarize({"torch_ddp": [9.0, 1.0, 1.0], "hetdp": [9.0, 1.02, 1.02], "device": "GPU"},
+                             gpu_mixed, {}),
+    }
+
+
+def test_record_finds_every_key_in_what_the_benches_write(tmp_path):
+    path = tmp_path / "figures.toml"
+    shutil.copy(ROOT / "docs" / "figures.toml", path)
+    for bench, result in _summaries().items():
+        block = figures.record(path, bench, json.loads(json.dumps(result)), commit="fffffff", date="2026-12-06")
+        assert all(f"{key} = " in block for key in figures.Figures.load(path).benches[bench].keys), bench
