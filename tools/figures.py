@@ -99,8 +99,12 @@ class Key:
         return EXPONENT.sub(r"e\1\2", format(value, self.fmt)).replace("e+", "e")
 
     def outside(self, value: Any) -> bool:
-        """Whether one number misses the target (a missing value or a bool is never outside)."""
-        if self.target is None or not _is_number(value):
+        """Whether one value misses the target: a number on its wrong side, or a figure never reached."""
+        if self.target is None or isinstance(value, bool):
+            return False
+        if value is None or value == NONE:
+            return True
+        if not _is_number(value):
             return False
         match = TARGET.match(self.target)
         assert match is not None  # checked in parse
@@ -345,23 +349,33 @@ def record(path: Path, bench: str, result: dict[str, Any], *, commit: str, date:
 
 
 def _insert(text: str, bench: str, block: str, *, fresh: bool) -> str:
-    """The file's text with `block` after the bench's last section; with `fresh`, without its earlier runs."""
+    """The file's text with `block` after the bench's last section; with `fresh`, without its earlier runs.
+
+    A section is a header and its lines; the comments and blank lines just above a header belong to it.
+    """
     sections: list[list[str]] = [[]]
     for line in text.splitlines():
         if line.startswith("["):
-            sections.append([])
+            lead: list[str] = []
+            while sections[-1] and (not sections[-1][-1].strip() or sections[-1][-1].startswith("#")):
+                lead.insert(0, sections[-1].pop())
+            sections.append(lead)
         sections[-1].append(line)
+
+    def header(section: list[str]) -> str:
+        return next((line for line in section if line.startswith("[")), "")
+
     own = re.compile(rf"^\[\[?bench\.{re.escape(bench)}(\]|\.)")
     runs = f"[[bench.{bench}.runs]]"
-    last = max(index for index, section in enumerate(sections) if section and own.match(section[0]))
+    last = max(index for index, section in enumerate(sections) if own.match(header(section)))
     out: list[str] = []
     for index, section in enumerate(sections):
-        if not (fresh and section and section[0] == runs):
+        if not (fresh and header(section) == runs):
             out.extend(section)
         if index == last:
             while out and not out[-1].strip():
                 out.pop()
-            out.extend(["", block, ""])
+            out.extend(["", block])
     return "\n".join(out).rstrip("\n") + "\n"
 
 

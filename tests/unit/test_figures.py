@@ -177,3 +177,22 @@ def test_record_finds_every_key_in_what_the_benches_write(tmp_path):
     for bench, result in _summaries().items():
         block = figures.record(path, bench, json.loads(json.dumps(result)), commit="fffffff", date="2026-12-06")
         assert all(f"{key} = " in block for key in figures.Figures.load(path).benches[bench].keys), bench
+
+
+def test_a_figure_never_reached_misses_its_target(tmp_path):
+    path = _small(tmp_path) / "docs" / "figures.toml"
+    figures.record(path, "sim", {"max_abs_error": None, "rows": []}, commit="ggggggg", date="2026-12-07", fresh=True)
+    assert figures.Figures.load(path).span("sim.max_abs_error") == "none ✗ (target ≤ 0.10)"
+
+
+def test_a_fresh_record_keeps_every_other_bench_and_comment(tmp_path):
+    path = tmp_path / "figures.toml"
+    shutil.copy(ROOT / "docs" / "figures.toml", path)
+    before = path.read_text()
+    figures.record(path, "drift", {"steps_to_recover": 12, "recovered_step_ratio": 1.01}, commit="hhhhhhh",
+                   date="2026-12-07", fresh=True)
+    after = path.read_text()
+    old_run = before[before.index("[[bench.drift.runs]]"):before.index("# --- imbalance")]
+    new_run = after[after.index("[[bench.drift.runs]]"):after.index("# --- imbalance")]
+    assert after.replace(new_run, "") == before.replace(old_run, "")
+    assert "steps_to_recover = 12" in new_run and "50857b3" not in new_run
