@@ -256,6 +256,8 @@ class Figures:
         if name not in self.tables:
             raise FiguresError(f"table {name!r} is not in {FIGURES}; its tables: {', '.join(sorted(self.tables))}")
         spec = self.tables[name]
+        if missing := [bench for bench in spec["benches"] if bench not in self.benches]:
+            raise FiguresError(f"table {name} lists benches {missing} that {FIGURES} does not hold")
         rows = [self.benches[bench].render(spec["row"]) for bench in spec["benches"]]
         return "\n".join([*spec["header"], *rows, *spec.get("after", [])])
 
