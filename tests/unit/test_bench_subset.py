@@ -7,7 +7,7 @@ from hetdp.bench import subset
 
 def _rows(seconds, shares, samples, compute_s, *, sat_out=(), all_in_exchange_s=None, warmup=None):
     warmup = len(seconds) // 2 if warmup is None else warmup
-    return [{"epoch": i, "epoch_s": s, "warmup": i < warmup, "shares": shares, "samples": samples,
+    return [{"epoch": i, "epoch_s": s, "report_epoch_s": 0.96 * s, "warmup": i < warmup, "shares": shares, "samples": samples,
              "compute_s": compute_s, "wait_s": [0.1] * 4, "steps": 12,
              "sat_out": {str(r): "why" for r in sat_out}, "all_in_exchange_s": all_in_exchange_s}
             for i, s in enumerate(seconds)]
@@ -30,6 +30,9 @@ def _raw(exchange_s):
 def test_the_group_is_read_against_the_best_subset_and_the_balanced_run_against_its_ideal():
     result = subset.summarize(_raw(exchange_s=0.05))
     assert result["vs_fastest_alone"] == pytest.approx(0.95)  # steady epochs past the warm-up
+    heavy = result["settings"]["comm_heavy"]  # the end work the drop-in's own clock leaves out, on its own
+    assert heavy["end_work_s"] == pytest.approx(0.04) and heavy["vs_fastest_alone_before_end_work"] == pytest.approx(
+        0.95 / 0.96)
     # everyone in: 1536 samples at 1 ms (fast) against 1 / (1 + 3 / 100) ms: saves 0.045 s, adds 12 x 0.05 s
     best = result["settings"]["comm_heavy"]["best_subset"]
     assert best["all_in_epoch_s"] == pytest.approx(0.95 - 1.536 * (1 - 1 / 1.03) + 0.6)

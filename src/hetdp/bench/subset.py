@@ -86,6 +86,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     equal_s, adaptive_s = steady_s(equal), steady_s(adaptive)
     balanced_ideal = ideal(equal_s, baseline_samples=equal[-1]["samples"], per_sample=per_sample_s(equal))
     vs_alone = alone_s / group_s
+    steady = [row for row in runs["comm_heavy"] if not row["warmup"]]
+    end_work_s = statistics.median(row["epoch_s"] - row["report_epoch_s"] for row in steady)
     from_speeds = sum(BALANCED_SPEEDS) / (len(BALANCED_SPEEDS) * min(BALANCED_SPEEDS))
     return {
         "vs_fastest_alone": vs_alone,
@@ -98,6 +100,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "comm_heavy": {"speeds": list(COMM_HEAVY_SPEEDS), "parameters": raw["parameters"]["mlp"],
                            "fastest_alone_epoch_s": alone_s, "group_epoch_s": group_s, "vs_fastest_alone": vs_alone,
                            "best_subset": best_subset, "sat_out": sat_out(runs["comm_heavy"]),
+                           "steps_per_epoch": statistics.median(row["steps"] for row in steady),
+                           "end_work_s": end_work_s, "vs_fastest_alone_before_end_work": alone_s / (group_s - end_work_s),
                            "final_shares": runs["comm_heavy"][-1]["shares"]},
             "balanced": {"speeds": list(BALANCED_SPEEDS), "parameters": raw["parameters"]["convnet"],
                          "equal_epoch_s": equal_s, "adaptive_epoch_s": adaptive_s,
@@ -158,7 +162,9 @@ def render(result: dict[str, Any]) -> str:
         f"{subset['subset']} (everyone in: "
         + ("unknown, no step ran with everyone in" if all_in is None else
            f"{all_in:.3f} s at {subset['all_in_exchange_ms']:.1f} ms of exchange a step")
-        + f"): efficiency {result['efficiency_vs_best_subset']:.3f}\n"
+        + f"): efficiency {result['efficiency_vs_best_subset']:.3f}; the group's end work (figures gathered, ranks "
+        f"out brought current) {1000 * heavy['end_work_s']:.0f} ms an epoch of {heavy['steps_per_epoch']:g} steps, "
+        f"without which {heavy['vs_fastest_alone_before_end_work']:.3f}\n"
         f"balanced: ideal from the equal run's own compute and exchange; balanced_efficiency "
         f"{result['balanced_efficiency']:.3f} (target >= 0.95)")
     return "\n".join([format_table(rows, title=title), legend])
