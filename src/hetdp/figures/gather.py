@@ -4,16 +4,16 @@ the shares scheduled by step.
 A re-plan must reach every rank before any rank cuts a step it changes: each rank
 gathers the next step its loader will cut (its horizon) with its figures, and the
 new shares apply from the latest horizon on. A gather runs in the background, every
-``metrics.every`` steps or when the allocator's window is full. Under allreduce, where
-the step's exchange holds every rank in step anyway, it is awaited as the next step is
-cut, and its plan applies from that step: the step right after the window. Under
-partial and local synchronization, where the ranks are not in step, it is awaited
-``PLAN_LAG`` steps later (its plan applies from there), and the ranks also meet, a
-meeting carrying the figures. A step
-never waits on the device for its figures: a step whose times are still on the
-device (CUDA events not yet complete) is sent as unknown and goes out again with
-the next gather. Only an epoch's end and a meeting, which wait for every rank's
-replica anyway, read every step.
+``metrics.every`` steps or when the allocator's window is full. Under allreduce with
+every rank in the exchange, which holds the ranks in step anyway, it is awaited as
+the next step is cut, and its plan applies from that step: the step right after its
+window. Where the ranks are not in step (partial and local synchronization, ranks
+that sit out) it is awaited ``PLAN_LAG`` steps later, and its plan applies from
+there; under partial and local synchronization the ranks also meet, and a meeting
+carries the figures. A step never waits on the device for its figures: a step whose
+times are still on the device (CUDA events not yet complete) is sent as unknown and
+goes out again with the next gather. Only an epoch's end and a meeting, which wait
+for every rank's replica anyway, read every step.
 """
 
 from __future__ import annotations
@@ -201,9 +201,7 @@ class Planner:
         """Gather the figures of the steps since the last gather in the background; ``settle`` takes them in."""
         pending, self._pending = self._pending, []
         row = self._row(pending, [], read_all=False)
-        # Under allreduce every rank is in step: awaited as the next step is cut, the gather costs what a blocking
-        # one would and its plan applies a step after its window, not PLAN_LAG steps later at the old shares.
-        lag = 0 if self.synchronizer.meets_every_step else PLAN_LAG
+        lag = 0 if self._in_step() else PLAN_LAG
         if self.world_size == 1:  # alone: nothing to wait for, and no collective
             self._record([row], pending)
             self._plan(row.horizon + lag, epoch_end=False)
@@ -213,6 +211,16 @@ class Planner:
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         self._planning = _PlanningGather(work, rows, pending, await_after=self.steps_done + PLAN_LAG, lag=lag,
                                          guard=row.horizon + lag)
+
+    def _in_step(self) -> bool:
+        """Whether every rank is held in step by the step's exchange: allreduce with no rank sitting out. Then a
+        planning gather awaited as the next step is cut costs what a blocking one would, and its plan applies a step
+        after its window, not ``PLAN_LAG`` steps later at the old shares. Ranks that sit out run stand-ins outside
+        the exchange, not in step with the members, and one that rejoins catches up as the step before it ends: a
+        plan made only as the next step is cut would come too late for that."""
+        allocator = self.allocator
+        return (self.synchronizer.meets_every_step
+                and (allocator is None or len(allocator.members) == self.world_size))
 
     def settle(self) -> None:
         """Wait for the planning gather in flight, if any, record its figures and re-plan from them."""
