@@ -206,6 +206,13 @@ def test_the_fast_rank_does_not_time_ddps_bucket_rebuild_as_compute(out):
     assert len(equal) >= 2 and all(step[3] < 0.5 * step[0] for step in equal), equal[:3]
 
 
+def test_under_allreduce_a_plan_applies_from_the_step_right_after_its_window(out):
+    # The ranks are in step: a plan waits for no rank behind, and PLAN_LAG more steps at the old shares (on speeds
+    # 1,1,1,8 at equal shares, each step twice the planned one) cost what the simulator does not count.
+    plans = load(out, "two_backwards")[0]["plans"]
+    assert plans and all(first == newest + 1 for first, newest in plans), plans
+
+
 def test_a_step_of_two_synchronized_backwards_is_timed_without_the_wait_between_them(out):
     # At equal shares rank 3 computes 10 ms a step, the others 80. Timed to its second backward's end, rank 3's step
     # held its wait for the others at the end of the first: it read 80 ms like theirs, and the shares never moved.

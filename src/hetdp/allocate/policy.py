@@ -390,7 +390,11 @@ class Allocator:
         the spread of their lower half (``_spread_below_median``; both values of a
         two-step window) is the noise a re-plan must beat. A window too noisy to tell
         anything (its mean's relative error above ``NOISY``) is kept and doubled,
-        up to ``MAX_WINDOW`` steps, rather than decided on.
+        up to ``MAX_WINDOW`` steps, rather than decided on, until the shares are
+        stable. A stable allocation's watch for drift decides on its own window: a
+        speed that changed inside it reads as noise there, and a window grown over
+        the steps after it held the change back for up to ``MAX_WINDOW`` steps; the
+        watch's margin already grows with the window's noise.
         """
         if self.adaptive is None or not self._window:
             return None
@@ -403,7 +407,7 @@ class Allocator:
         if steps > 1:
             spreads = [_spread_below_median(times) / value for times, value in zip(compute_s, typical)]
             step_cv = QUANTILE_ERROR * (sum(s * s for s in spreads) / len(spreads)) ** 0.5
-            if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW:
+            if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW and not self.adaptive.stable:
                 self._extended = min(2 * steps, MAX_WINDOW)
                 return None
         self._window, self._waits, self._extended = [], [], None

@@ -3,14 +3,17 @@ the shares scheduled by step.
 
 A re-plan must reach every rank before any rank cuts a step it changes: each rank
 gathers the next step its loader will cut (its horizon) with its figures, and the
-new shares apply from the latest horizon on. Between meetings, a gather runs in the
-background and is awaited ``PLAN_LAG`` steps later (its plan applies from there), every
-``metrics.every`` steps or when the allocator's window is full; under partial and
-local synchronization the ranks also meet, and a meeting carries the figures. A step
-never waits on the device for its figures: a step whose times are still on the
-device (CUDA events not yet complete) is sent as unknown and goes out again with
-the next gather. Only an epoch's end and a meeting, which wait for every rank's
-replica anyway, read every step.
+new shares apply from the latest horizon on. A gather runs in the background, every
+``metrics.every`` steps or when the allocator's window is full. Under allreduce with
+every rank in the exchange, which holds the ranks in step anyway, it is awaited as
+the next step is cut, and its plan applies from that step: the step right after its
+window. Where the ranks are not in step (partial and local synchronization, ranks
+that sit out) it is awaited ``PLAN_LAG`` steps later, and its plan applies from
+there; under partial and local synchronization the ranks also meet, and a meeting
+carries the figures. A step never waits on the device for its figures: a step whose
+times are still on the device (CUDA events not yet complete) is sent as unknown and
+goes out again with the next gather. Only an epoch's end and a meeting, which wait
+for every rank's replica anyway, read every step.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class FiguresRow:
 
 @dataclass
 class _PlanningGather:
-    """An all-gather of step figures in flight: started at one step, awaited ``PLAN_LAG`` steps later."""
+    """An all-gather of step figures in flight: started at one step, awaited as the step at ``guard`` is cut or
+    ``PLAN_LAG`` steps later, whichever comes first."""
 
     work: dist.Work
     rows: list[torch.Tensor]
@@ -80,6 +84,8 @@ class _PlanningGather:
     """This rank's steps whose figures it carries."""
     await_after: int
     """``steps_done`` from which ``step_ended`` waits for it."""
+    lag: int
+    """Steps between a rank's horizon and its guard: 0 under allreduce, ``PLAN_LAG`` out of step."""
     guard: int
     """The first step this rank's loader may not cut before the plan is known: the plan applies from the latest
     rank's ``guard`` on, so no rank has cut a step whose shares the plan changes."""
@@ -195,15 +201,26 @@ class Planner:
         """Gather the figures of the steps since the last gather in the background; ``settle`` takes them in."""
         pending, self._pending = self._pending, []
         row = self._row(pending, [], read_all=False)
+        lag = 0 if self._in_step() else PLAN_LAG
         if self.world_size == 1:  # alone: nothing to wait for, and no collective
             self._record([row], pending)
-            self._plan(row.horizon + PLAN_LAG, epoch_end=False)
+            self._plan(row.horizon + lag, epoch_end=False)
             return
         mine = torch.tensor(row.values(), dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
-        self._planning = _PlanningGather(work, rows, pending, await_after=self.steps_done + PLAN_LAG,
-                                         guard=row.horizon + PLAN_LAG)
+        self._planning = _PlanningGather(work, rows, pending, await_after=self.steps_done + PLAN_LAG, lag=lag,
+                                         guard=row.horizon + lag)
+
+    def _in_step(self) -> bool:
+        """Whether every rank is held in step by the step's exchange: allreduce with no rank sitting out. Then a
+        planning gather awaited as the next step is cut costs what a blocking one would, and its plan applies a step
+        after its window, not ``PLAN_LAG`` steps later at the old shares. Ranks that sit out run stand-ins outside
+        the exchange, not in step with the members, and one that rejoins catches up as the step before it ends: a
+        plan made only as the next step is cut would come too late for that."""
+        allocator = self.allocator
+        return (self.synchronizer.meets_every_step
+                and (allocator is None or len(allocator.members) == self.world_size))
 
     def settle(self) -> None:
         """Wait for the planning gather in flight, if any, record its figures and re-plan from them."""
@@ -214,7 +231,7 @@ class Planner:
         wait_for(planning.work, "gathering step figures", max(left, 1.0), self.group)
         rows = [FiguresRow.of(row.cpu().tolist(), len(planning.pending)) for row in planning.rows]
         self._record(rows, planning.pending)
-        self._plan(max(row.horizon for row in rows) + PLAN_LAG, epoch_end=False)
+        self._plan(max(row.horizon for row in rows) + planning.lag, epoch_end=False)
 
     def gather(self, *, meet: bool = False, extra: Sequence[float] = (), epoch_end: bool = False
                ) -> list[list[float]]:

@@ -97,6 +97,23 @@ def record_replan_windows(allocator: Allocator) -> list[tuple[int, bool]]:
     return windows
 
 
+def record_plan_steps(model: hetdp.DDP) -> list[int]:
+    """The newest step whose figures each re-plan of ``model`` that moved the shares knew of, in order (filled as
+    the run goes): beside the schedule's first steps, how many steps a plan came after its window."""
+    newest: list[int] = []
+    allocator = model.allocator
+    replan = allocator.replan
+
+    def recorded() -> list[int] | None:
+        shares = replan()
+        if shares is not None:
+            newest.append(model.step_figures[-1].step)
+        return shares
+
+    allocator.replan = recorded
+    return newest
+
+
 def record_meetings(model: hetdp.DDP, applied: list) -> list[tuple[int, bool]]:
     """(steps applied, announced) at each meeting of ``model`` (filled as the run goes; the loop marks the meetings
     it calls itself, and deletes the recorder when done)."""
@@ -326,6 +343,7 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
         model = hetdp.DDP(make_model(), "adaptive",
                           emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 8.0), sample_cost_ms=10.0))
         loader = model.allocate(loader_for(Pairs(512), batch_size=8))
+        newest = record_plan_steps(model)
         optimizer = make_optimizer(model, "sgd")
         for batch in loader:
             optimizer.zero_grad()
@@ -334,7 +352,8 @@ def run(scenario: str, args: argparse.Namespace, rank: int) -> dict:
             optimizer.step()
         result = {"compute_s": [f.compute_s for f in model.step_figures],
                   "wait_s": [f.wait_s for f in model.step_figures],
-                  "blocks": [f.shares for f in model.step_figures]}
+                  "blocks": [f.shares for f in model.step_figures],
+                  "plans": [[first, known] for (first, _), known in zip(model._schedule[1:], newest)]}
         model.close()
     elif scenario == "metrics":
         csv = out / "metrics.csv"

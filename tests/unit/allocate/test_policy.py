@@ -105,3 +105,26 @@ def test_out_of_step_only_the_first_decision_comes_from_a_short_window():
     assert allocator.out_of_step_window() == 0  # equal shares were never measured: the rule's own window suffices
     allocator.observe([[0.04, 0.04], [0.01, 0.01]])
     assert allocator.shares == [20, 80] and allocator.out_of_step_window() == MEETING_WINDOW
+
+
+def test_a_stable_allocation_decides_on_its_own_watch_window_when_a_speed_changes_inside_it():
+    # Speeds 1 and 3, settled; rank 1 then drops to rank 0's speed at the second step of a 4-step watch window. Its
+    # lower half (one fast step, one slow) is no timing noise: grown to 8 and 16 steps, the window held the change
+    # for steps after it, and the re-plan came 20 steps after the window began instead of 12.
+    allocator = Allocator(Adaptive(), 2, 100)
+    allocator.observe([[0.10, 0.10], [0.0333, 0.0333]])
+    while not allocator.stable:
+        allocator.observe([[0.001 * allocator.shares[0]] * 2, [0.001 * allocator.shares[1] / 3] * 2])
+    settled = list(allocator.shares)
+    watch = allocator.window()
+
+    def window(changed_from: int) -> list[list[float]]:
+        return [[0.001 * allocator.shares[0]] * watch,
+                [0.001 * allocator.shares[1] / (1 if step >= changed_from else 3) for step in range(watch)]]
+
+    assert allocator.observe(window(1)) is None and allocator.measured == 0  # decided on: calm, too noisy to tell
+    steps = watch
+    while allocator.shares == settled:
+        assert allocator.observe(window(0)) in (None, [50, 50]) and allocator.measured == 0
+        steps += watch
+    assert allocator.shares == [50, 50] and steps == 3 * watch
