@@ -43,13 +43,10 @@ class GradientLayout:
             self._offsets[id(parameter)] = offset
             offset += parameter.numel()
         self.numel = offset
+        self.placed = [(parameter, self._offsets[id(parameter)]) for parameter in self.parameters]
+        """Each parameter with the offset of its gradient."""
         self._runs: dict[tuple[tuple[int, ...], ...], list[_Run]] = {}
         """Copies between the layout and each bucket order seen (torch DDP's first, and its rebuilt one)."""
-
-    @property
-    def placed(self) -> list[tuple[torch.Tensor, int]]:
-        """Each parameter with the offset of its gradient."""
-        return [(parameter, self._offsets[id(parameter)]) for parameter in self.parameters]
 
     def gather(self, buffers: Sequence[torch.Tensor], parameters: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """The gradients in ``buffers`` (each the flat gradients of its ``parameters``, in order), in this layout.

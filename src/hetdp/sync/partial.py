@@ -216,8 +216,7 @@ class PartialGradients(Synchronizer):
             self._owed.zero_()
             if self._round_steps is None:
                 self._round_steps = RoundSteps()
-            # Most steps hold one round: only several need the parameters laid out.
-            self._round_steps.hold(self._layout.placed if len(parts) > 1 else [], parts, gradient)
+            self._round_steps.hold(self._layout.placed, parts, gradient)
             self._layout.scatter(gradient, buffers, parameters)
             for buffer, (_, future) in zip(buffers, buckets):
                 future.set_result(buffer)
