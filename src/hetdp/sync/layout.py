@@ -12,7 +12,7 @@ from hetdp.errors import ConfigError
 
 
 class _Run(NamedTuple):
-    """Gradients that lie contiguously both in a bucket and in the layout: one copy moves them."""
+    """Gradients that lie contiguously both in a bucket and in the layout: one slice each side."""
 
     bucket: int
     source: int
@@ -20,6 +20,15 @@ class _Run(NamedTuple):
     target: int
     """Offset in the layout."""
     numel: int
+
+
+class _Plan(NamedTuple):
+    """The runs of one bucket order, for each direction: one ``torch.cat`` gathers, one per bucket scatters."""
+
+    gather: list[_Run]
+    """Every run, in the layout's order."""
+    scatter: list[list[_Run]]
+    """Each bucket's runs, in the bucket's order."""
 
 
 class GradientLayout:
@@ -45,8 +54,8 @@ class GradientLayout:
         self.numel = offset
         self.placed = [(parameter, self._offsets[id(parameter)]) for parameter in self.parameters]
         """Each parameter with the offset of its gradient."""
-        self._runs: dict[tuple[tuple[int, ...], ...], list[_Run]] = {}
-        """Copies between the layout and each bucket order seen (torch DDP's first, and its rebuilt one)."""
+        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
+        """The runs between the layout and each bucket order seen (torch DDP's first, and its rebuilt one)."""
 
     def gather(self, buffers: Sequence[torch.Tensor], parameters: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """The gradients in ``buffers`` (each the flat gradients of its ``parameters``, in order), in this layout.
@@ -54,31 +63,28 @@ class GradientLayout:
         Raises:
             ConfigError: the buckets hold other parameters than the layout.
         """
-        flat = buffers[0].new_empty(self.numel)
         views = [buffer.reshape(-1) for buffer in buffers]
-        for run in self._plan(parameters):
-            flat[run.target : run.target + run.numel].copy_(views[run.bucket][run.source : run.source + run.numel])
-        return flat
+        return torch.cat([views[run.bucket][run.source : run.source + run.numel]
+                          for run in self._plan(parameters).gather])
 
     def scatter(self, flat: torch.Tensor, buffers: Sequence[torch.Tensor],
                 parameters: Sequence[Sequence[torch.Tensor]]) -> None:
         """Copy ``flat`` (in this layout) into ``buffers``, each laid out as its ``parameters``."""
-        views = [buffer.view(-1) for buffer in buffers]
-        for run in self._plan(parameters):
-            views[run.bucket][run.source : run.source + run.numel].copy_(flat[run.target : run.target + run.numel])
+        for buffer, runs in zip(buffers, self._plan(parameters).scatter):
+            torch.cat([flat[run.target : run.target + run.numel] for run in runs], out=buffer.view(-1))
 
-    def _plan(self, parameters: Sequence[Sequence[torch.Tensor]]) -> list[_Run]:
+    def _plan(self, parameters: Sequence[Sequence[torch.Tensor]]) -> _Plan:
         key = tuple(tuple(id(p) for p in held) for held in parameters)
-        runs = self._runs.get(key)
-        if runs is None:
-            runs = self._runs[key] = self._runs_for(parameters)
-        return runs
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan_for(parameters)
+        return plan
 
-    def _runs_for(self, parameters: Sequence[Sequence[torch.Tensor]]) -> list[_Run]:
-        """The copies for one bucket order, neighbours in both merged into one."""
-        runs: list[_Run] = []
-        seen = 0
+    def _plan_for(self, parameters: Sequence[Sequence[torch.Tensor]]) -> _Plan:
+        """The runs of one bucket order, neighbours in both merged into one."""
+        scatter: list[list[_Run]] = []
         for bucket, held in enumerate(parameters):
+            runs: list[_Run] = []
             source = 0
             for parameter in held:
                 target = self._offsets.get(id(parameter))
@@ -86,16 +92,24 @@ class GradientLayout:
                     raise ConfigError(f"a gradient bucket holds a parameter of shape {tuple(parameter.shape)} that is "
                                       f"not among the {len(self.parameters)} trainable parameters the synchronization "
                                       "was built for: unfreeze or add parameters before wrapping the module")
-                numel = parameter.numel()
-                last = runs[-1] if runs else None
-                if (last is not None and last.bucket == bucket and last.source + last.numel == source
-                        and last.target + last.numel == target):
-                    runs[-1] = last._replace(numel=last.numel + numel)
+                if runs and runs[-1].source + runs[-1].numel == source and runs[-1].target + runs[-1].numel == target:
+                    runs[-1] = runs[-1]._replace(numel=runs[-1].numel + parameter.numel())
                 else:
-                    runs.append(_Run(bucket, source, target, numel))
-                source += numel
-                seen += numel
-        if seen != self.numel:
-            raise ConfigError(f"the gradient buckets hold {seen} elements, the trainable parameters {self.numel}: "
-                              "the synchronization must see every trainable parameter, once")
-        return runs
+                    runs.append(_Run(bucket, source, target, parameter.numel()))
+                source += parameter.numel()
+            scatter.append(runs)
+        gather = sorted((run for runs in scatter for run in runs), key=lambda run: run.target)
+        if not _tiles(gather, self.numel):
+            raise ConfigError("the gradient buckets must hold every trainable parameter once; they hold "
+                              f"{sum(p.numel() for held in parameters for p in held)} elements of the {self.numel}")
+        return _Plan(gather, scatter)
+
+
+def _tiles(runs: Sequence[_Run], numel: int) -> bool:
+    """Whether ``runs``, in the layout's order, cover its ``numel`` elements once each."""
+    covered = 0
+    for run in runs:
+        if run.target != covered:
+            return False
+        covered += run.numel
+    return covered == numel

@@ -49,8 +49,8 @@ def test_a_contribution_before_a_rebuild_adds_to_its_own_parameters_after_it():
 
 def test_neighbours_in_both_orders_move_in_one_copy():
     layout = GradientLayout([WEIGHT, BIAS, EXTRA])
-    assert len(layout._plan([[WEIGHT, BIAS, EXTRA]])) == 1
-    assert len(layout._plan([[BIAS, EXTRA], [WEIGHT]])) == 2
+    assert len(layout._plan([[WEIGHT, BIAS, EXTRA]]).gather) == 1
+    assert len(layout._plan([[BIAS, EXTRA], [WEIGHT]]).gather) == 2
 
 
 def test_placed_gives_each_parameter_its_offset():
@@ -64,3 +64,9 @@ def test_buckets_that_hold_other_parameters_are_a_config_error(groups):
     buffers = [torch.zeros(sum(p.numel() for p in group)) for group in groups]
     with pytest.raises(ConfigError):
         layout.gather(buffers, parameters)
+
+
+def test_a_parameter_held_twice_in_place_of_another_of_its_size_is_a_config_error():
+    first, second = torch.zeros(2), torch.zeros(2)
+    with pytest.raises(ConfigError):
+        GradientLayout([first, second]).gather([torch.zeros(4)], [[first, first]])
