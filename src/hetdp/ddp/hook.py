@@ -118,7 +118,7 @@ def synchronizer(spec: SyncPolicy, module: nn.Module, group: dist.ProcessGroup, 
     config = dataclasses.replace(spec, timeouts=spec.timeouts or Timeouts(round_s=timeout_s))
     if dist.get_backend(group) == "nccl":  # every rank's gradient is on a GPU: the rounds' data stays there
         config = dataclasses.replace(config, data_backend="nccl")
-    return PartialGradients(like, config, group, every=spec.every, timeout_s=timeout_s)
+    return PartialGradients(like, config, group, every=spec.every, timeout_s=timeout_s, parameters=params)
 
 
 def buffer_options(spec: SyncPolicy, ddp_options: dict[str, Any], world_size: int) -> dict[str, Any]:

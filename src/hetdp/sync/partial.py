@@ -10,7 +10,7 @@ synchronous step over the same samples would.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from hetdp.collectives.partial import Partial, PartialAllreduce, PartialResult
 from hetdp.errors import ConfigError
 from hetdp.sync.averaging import average_parameters
 from hetdp.sync.base import Synchronizer
+from hetdp.sync.layout import GradientLayout
 from hetdp.sync.round_steps import RoundSteps
 
 STANDBY_PAUSE_S = 0.001
@@ -96,6 +97,7 @@ class PartialGradients(Synchronizer):
         *,
         every: int = 0,
         timeout_s: float = 60.0,
+        parameters: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Start the partial allreduce for gradients shaped like ``like`` (or of that many elements).
 
@@ -105,12 +107,20 @@ class PartialGradients(Synchronizer):
             group: the ranks taking part (None: the default group).
             every: as the drop-in's synchronization, steps between meetings (0: per epoch only).
             timeout_s: deadline of a meeting's parameter averaging.
+            parameters: as the drop-in's synchronization, the trainable parameters (the same, in the same order, on
+                every rank): rounds lay their gradients out in this order, whatever order torch DDP's buckets take.
+
+        Raises:
+            ConfigError: ``like`` is not a tensor or a positive count, or ``parameters`` hold another element count.
         """
         numel = like if isinstance(like, int) else like.numel()
         if isinstance(numel, bool) or numel < 1:
             raise ConfigError(f"like must be a tensor or a positive element count, got {like!r}")
         payload = torch.zeros(numel + 1) if isinstance(like, int) else like.detach().new_zeros(numel + 1)
         self.numel = numel
+        self._layout = None if parameters is None else GradientLayout(parameters)
+        if self._layout is not None and self._layout.numel != numel:
+            raise ConfigError(f"parameters hold {self._layout.numel} elements, like {numel}")
         self._nothing = payload.new_zeros(numel)
         self.partial = PartialAllreduce.from_config(payload, config, group)
         self.world_size = self.partial.world_size
@@ -176,16 +186,24 @@ class PartialGradients(Synchronizer):
                ) -> torch.futures.Future[torch.Tensor]:
         """Pool the step's buckets; at the last one, contribute them and fill every bucket with the rounds' mean.
 
+        The pooled gradient is laid out in the parameters' order (``GradientLayout``), not in the buckets': torch DDP
+        rebuilds its buckets after the first step, and a round may hold, or a rank apply, a contribution of a step
+        before the rebuild.
+
         Before a meeting (``meets``) the contribution goes in a flush instead, so that the step returns every round
         still in flight: all ranks then apply the same rounds in this step, and the parameters they average at the
         meeting hold the same gradients. Averaged while some ranks still carried rounds that others had applied,
         those rounds would count more than once on some replicas and partly on others.
         """
+        if self._layout is None:
+            raise ConfigError("PartialGradients.reduce needs the trainable parameters: pass parameters=")
         pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._buckets.append((bucket, pending))
         if bucket.is_last():
             buckets, self._buckets = self._buckets, []
-            flat = torch.cat([held.buffer().reshape(-1) for held, _ in buckets])
+            buffers = [held.buffer() for held, _ in buckets]
+            parameters = [held.parameters() for held, _ in buckets]
+            flat = self._layout.gather(buffers, parameters)
             part = samples / total
             fresh = self.flush(flat=flat, samples=part) if meets else self.contribute(flat, part)
             rounds, self.carried, self._flushed = self.carried + fresh, [], meets
@@ -198,14 +216,9 @@ class PartialGradients(Synchronizer):
             self._owed.zero_()
             if self._round_steps is None:
                 self._round_steps = RoundSteps()
-            # Most steps hold one round: only several need the parameters laid out.
-            layout = _layout(held for held, _ in buckets) if len(parts) > 1 else []
-            self._round_steps.hold(layout, parts, gradient)
-            offset = 0
-            for held, future in buckets:
-                buffer = held.buffer()
-                buffer.copy_(gradient[offset : offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
+            self._round_steps.hold(self._layout.placed, parts, gradient)
+            self._layout.scatter(gradient, buffers, parameters)
+            for buffer, (_, future) in zip(buffers, buckets):
                 future.set_result(buffer)
         return pending
 
@@ -250,13 +263,3 @@ class PartialGradients(Synchronizer):
             self._round_steps.close()
         return self._rounds(self.partial.close(self._forward(on_round)))
 
-
-def _layout(buckets: Iterable[dist.GradBucket]) -> list[tuple[nn.Parameter, int]]:
-    """Each parameter of the buckets' gradients concatenated, with its offset: a bucket lays out its parameters'
-    gradients in order."""
-    layout, offset = [], 0
-    for bucket in buckets:
-        for parameter in bucket.parameters():
-            layout.append((parameter, offset))
-            offset += parameter.numel()
-    return layout
