@@ -1,19 +1,19 @@
-"""Process groups that outlive ``destroy_process_group`` end at interpreter exit, before finalization, while their
-threads can still take the GIL.
+"""Process groups that ``destroy_process_group`` released end before interpreter finalization, while their threads
+can still take the GIL.
 
 gloo runs every collective on a thread of its group, which frees the collective's tensors once it has run it. A
-tensor whose Python object the interpreter has given up (the caller dropped it before the thread let go) can only be
-freed under the GIL. Once the interpreter finalizes, a thread that asks for the GIL is ended by ``pthread_exit``,
-whose forced unwinding through the tensor's destructor aborts the process: "terminate called without an active
-exception" (SIGABRT) after the script itself has finished.
+tensor whose Python object the caller dropped first can only be freed under the GIL. Once the interpreter
+finalizes, a thread that asks for the GIL is ended by ``pthread_exit``, whose forced unwinding through the tensor's
+destructor aborts the process: "terminate called without an active exception" (SIGABRT) after the script itself
+has finished.
 
 ``destroy_process_group`` only takes a group out of torch's registry; its threads end when its last reference goes.
-An FSDP2 model holds its mesh's group in reference cycles (each unit's state, its hooks and its modules), and so
-does any model a drop-in wraps, so that group stays alive, its threads with it, until the interpreter's last
-collection: that collection runs during finalization, where freeing the group releases the GIL to join its threads
-and a thread that has been waiting for the GIL to free a tensor takes it and is ended. Collecting those cycles at
-exit, before finalization, ends the groups there: their threads free what they hold and are joined while the
-interpreter still serves them.
+Two holders kept groups into finalization: ``torch.distributed.nn.functional``, whose collectives take the default
+group as a default argument once imported while it exists (the first optimizer imports it, through torch._dynamo),
+and the reference cycles of models and drop-ins (FSDP2's units and hooks, a drop-in's planner and heartbeat), which
+only the interpreter's last collection, during finalization, would free. This module imports the first before any
+group exists and collects the second at exit. FSDP2's mesh group is also held by DTensor's sharding caches, which
+live as long as the interpreter: that one is not freed here.
 """
 
 from __future__ import annotations
