@@ -9,6 +9,7 @@ from one step to the next.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import warnings
 from collections.abc import Iterator
@@ -115,6 +116,18 @@ class AllocatedLoader:
         last batch, and says itself when a batch's step begins and ends (``begin_ticket`` with
         ``sampler.tickets.popleft()``, ``end_step``, ``begin_epoch``, ``end_epoch``)."""
         self._start_pass()
+        return self._start_workers()
+
+    def _start_workers(self) -> Iterator[Any]:
+        """``iter`` of the re-cut loader, after a collection where it has worker processes to start.
+
+        A worker forked from this process inherits the garbage the collector has not reached yet and may collect it
+        itself: a process group that ``destroy_process_group`` left to a reference cycle (a closed drop-in, a model
+        built again) then runs its destructor there and joins gloo threads that exist only in this process, and the
+        worker hangs or crashes. Collected here, such a group ends in this process, where its threads are.
+        """
+        if self._loader.num_workers > 0:
+            gc.collect()
         return iter(self._loader)
 
     def _start_pass(self) -> None:
@@ -128,7 +141,7 @@ class AllocatedLoader:
         self.model.pass_starts()  # the last pass's steps fetched ahead and not closed yet close first
         self._start_pass()
         self.model.begin_epoch(self.sampler.epoch, self.sampler.start)
-        batches = iter(self._loader)  # draws the workers' base seed from the global generator
+        batches = self._start_workers()  # draws the workers' base seed from the global generator
         if self.model.resume_random_state is not None:  # after that draw, which the saved run made before saving
             set_random_state(self.model.resume_random_state)
             self.model.resume_random_state = None

@@ -33,6 +33,7 @@ from hetdp.figures.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.figures.tally import Epochs
 from hetdp.runtime.liveness import Heartbeat
 from hetdp.runtime import host_group
+from hetdp.runtime.teardown import collect_at_exit
 from hetdp.sync.base import Synchronizer
 
 
@@ -71,6 +72,7 @@ class StepCoordinator(Allocating, CheckpointState):
                     metrics: MetricsConfig | None, progress: Callable[[], int]) -> None:
         """Start the planning, the epochs' figures and this rank's heartbeat (collective over ``group``), once the
         exchange is built; ``progress`` tells the heartbeat how far the rank got."""
+        collect_at_exit()  # registered before the heartbeat's stop, so it runs after it: see its module
         self.metrics = metrics or MetricsConfig()
         self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
         self._figures_group = host_group(group, self.step_timeout_s)

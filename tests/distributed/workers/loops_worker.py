@@ -243,11 +243,9 @@ def run(scenario: str, out: Path, rank: int) -> dict:
 
 
 def window_loader(size: int) -> DataLoader:
-    """``loader_for``'s loader (batches of 4) with no worker process. With one, the worker forked at an epoch's start of
-    the adaptive window scenario died of a segmentation fault in 2 of 4 launches under pytest on a loaded machine
-    (cause not found; none in 6 launches by torchrun by hand). The prefetch scenarios keep a worker."""
-    data = Indexed(size)
-    return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=SEED))
+    """``loader_for``'s loader (batches of 4, one worker process), forked at each epoch's start after the model of the
+    scenario's previous window size was closed: its destroyed group awaits collection then (test_exit)."""
+    return loader_for(size, 4)
 
 
 def run_windows(scenario: str, out: Path, rank: int) -> dict:
