@@ -23,7 +23,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import hetdp
 from hetdp.bench.datasets import load_digits
@@ -35,16 +35,19 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=16, help="the most samples one forward holds")
     parser.add_argument("--checkpoint", default=None, help="folder to resume from and save to")
+    parser.add_argument("--samples", type=int, default=None, help="train on the first SAMPLES training samples only "
+                        "(a quick first run; default: all 1,437)")
     args = parser.parse_args()
 
     rank, _ = hetdp.init_distributed()
     # Under NCCL each rank trains on its own GPU (init_distributed made cuda:LOCAL_RANK current); under gloo, on the CPU.
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     split = load_digits()
+    train = split.train if args.samples is None else Subset(split.train, range(args.samples))
     torch.manual_seed(0)  # the same initial model on every rank
     model = hetdp.DDP(ConvNet().to(device), hetdp.Adaptive(replan_every=2))  # emulated by `hetdp run`, if asked
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loader = model.allocate(DataLoader(split.train, batch_size=32, sampler=DistributedSampler(split.train, seed=0)),
+    loader = model.allocate(DataLoader(train, batch_size=32, sampler=DistributedSampler(train, seed=0)),
                             accumulates=True)
     checkpoint = model.checkpointer(args.checkpoint, optimizer) if args.checkpoint else None
     start = checkpoint.epoch if checkpoint is not None and checkpoint.resume() else 0

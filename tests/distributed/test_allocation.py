@@ -91,11 +91,10 @@ def test_adaptive_shares_follow_emulated_speeds_within_the_first_epoch(results):
         assert abs(share - ideal) <= 0.15 * ideal, (shares, "expected about", apportion((1.0, 2.0, 4.0), 70))
 
 
-# The launch must end well within the hung rank's 60 s sleep; started beside other tests' processes on 2 cores, three
-# workers can take most of that to import torch.
-@pytest.mark.serial
+# The launch must end well within the hung rank's 600 s sleep, by the survivors' timeout, however long three workers
+# started beside other tests' processes on 2 cores take to import torch.
 def test_a_hung_peer_ends_in_peer_timeout_error_not_a_hang(torchrun):
-    result = torchrun("allocation_hang_worker.py", 3, expect_rc=None, timeout_s=50)
+    result = torchrun("allocation_hang_worker.py", 3, expect_rc=None, timeout_s=240)
     assert result.returncode != 0
     # The delayed rank still beats, so every survivor names it as alive but behind, and none names itself.
     named = re.findall(r"PeerTimeoutError: rank (\d) is alive but never joined .*? on rank (\d) failed within 3 s",

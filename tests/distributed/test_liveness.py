@@ -6,6 +6,7 @@ restarts it.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -52,24 +53,32 @@ def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
 def test_a_stopped_rank_is_named_under_tcp_and_file_initialisation(tmp_path, init):
     """No launcher's variables: plain processes join by tcp:// or file:// (a script of one's own), and the heartbeats
     still name the stopped rank, from the process group's own store (a TCPStore, a FileStore)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}" if init == "tcp" else f"file://{tmp_path / 'store'}"
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    workers = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), "--out", str(tmp_path), "--how",
-                                 "stop", "--victim", "2", "--init-method", url, "--rank", str(rank),
-                                 "--world-size", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-               for rank in range(3)]
-    try:
-        for worker in workers[:2]:
-            worker.wait(timeout=90)
-    finally:
-        for worker in workers:
-            worker.kill()
-            worker.wait()
+    # The port stays bound (SO_REUSEADDR, not listening) until the workers are done: rank 0's store binds it beside
+    # this socket, and no other test's process can take it in between.
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        url = (f"tcp://127.0.0.1:{holder.getsockname()[1]}" if init == "tcp" else
+               f"file://{tmp_path / 'store'}")
+        env = {name: value for name, value in os.environ.items()
+               if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        logs = [tmp_path / f"rank-{rank}.log" for rank in range(3)]
+        with contextlib.ExitStack() as files:
+            workers = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), "--out", str(tmp_path),
+                                         "--how", "stop", "--victim", "2", "--init-method", url, "--rank", str(rank),
+                                         "--world-size", "3"], env=env, stdout=files.enter_context(log.open("w")),
+                                        stderr=subprocess.STDOUT)
+                       for rank, log in enumerate(logs)]
+            try:
+                for worker in workers[:2]:
+                    worker.wait(timeout=90)
+            finally:
+                for worker in workers:
+                    worker.kill()
+                    worker.wait()
+    output = "".join(f"--- rank {rank}\n{log.read_text()}" for rank, log in enumerate(logs))
     for survivor in (0, 1):
+        assert (tmp_path / f"rank-{survivor}.json").exists(), output
         outcome = json.loads((tmp_path / f"rank-{survivor}.json").read_text())
         assert outcome["rank"] == 2
         assert outcome["message"].startswith("rank 2 stopped answering"), outcome["message"]

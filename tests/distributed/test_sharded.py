@@ -164,13 +164,19 @@ def test_a_killed_rank_resumes_under_restarts_and_a_resume_on_fewer_ranks_reshar
     assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(2))
 
 
-def test_the_adopted_fsdp2_script_runs_under_hetdp_run_with_emulated_speeds(hetdp_run):
-    # Two ranks: the README runs it on four (hetdp run -n 4 --speeds 1,1,2,4 --sample-cost-ms 4), the same code path.
-    # At equal shares, rank 0 (speed 1) computes each step three times as long as rank 1 (speed 3): 640 ms against
-    # 213 ms, several times the exchanges of a step here, so the diagnosis the script prints must name it, by compute.
+def test_the_adopted_fsdp2_script_shards_by_memory_and_names_the_straggler_under_hetdp_run_devices(tmp_path,
+                                                                                                  hetdp_run):
+    # The README's script, unchanged, on two ranks (the README runs four): `hetdp run --devices` hands the ranks a
+    # table of unequal memories and speeds, and the three adopted lines are all it takes to shard by the memories.
+    # At equal shares rank 0 (40 ms a sample) computes each step three times as long as rank 1: 320 ms against
+    # 107 ms, several times the exchanges of a step here, so the diagnosis the script prints must name it, by compute.
+    table = tmp_path / "devices.toml"
+    table.write_text("".join(f'[[devices]]\nname = "{name}"\nbatch_size = 8\nbatch_time_s = {seconds}\n'
+                             f'memory_mb = {mb}\n' for name, seconds, mb in (("small", 0.32, 400),
+                                                                             ("large", 0.32 / 3, 1200))))
     script = Path(__file__).parents[2] / "examples" / "adopt_fsdp2.py"
-    completed = hetdp_run("-n", 2, "--speeds", "1,3", "--sample-cost-ms", "40", "--allocation", "equal", script,
-                          "--samples", "128", "--epochs", "1")
+    completed = hetdp_run("-n", 2, "--devices", table, "--allocation", "equal", script, "--samples", "128",
+                          "--epochs", "1")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     found = re.search(r"^epoch 0: loss (\d+\.\d{4}); (.*)$", completed.stdout, re.MULTILINE)
     assert found and math.isfinite(float(found.group(1))), completed.stdout

@@ -77,6 +77,7 @@ def test_slow_ranks_sit_out_while_their_exchange_costs_more_than_they_save_and_r
                for i, step in enumerate(members))  # every rank agrees on every step's members
 
 
+@pytest.mark.serial  # reads the serial tests' launch: marked alike, the module launches it once, not once a pass
 def test_the_model_trains_as_one_process_on_the_global_batches_while_ranks_sit_out_and_after_they_rejoin(out):
     assert_every_rank_ends_with_the_reference(out, "sitout")  # the ranks that sat out too: brought current
 

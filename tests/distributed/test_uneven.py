@@ -154,14 +154,3 @@ def test_a_killed_rank_resumes_under_restarts_and_a_resume_on_fewer_ranks_reshar
     assert abs(held[0] / sum(held) - 0.25) < 0.02
     assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(2))
 
-
-def test_the_adopted_fsdp2_script_runs_on_memory_sized_shards_under_hetdp_run_devices(tmp_path, hetdp_run):
-    # The README's script, unchanged: `hetdp run --devices` hands the ranks a table of unequal memories, and the
-    # three adopted lines are all it takes to shard by them.
-    table = tmp_path / "devices.toml"
-    table.write_text("".join(f'[[devices]]\nname = "{name}"\nbatch_size = 8\nbatch_time_s = 0.008\nmemory_mb = {mb}\n'
-                             for name, mb in (("small", 400), ("large", 1200))))
-    script = Path(__file__).parents[2] / "examples" / "adopt_fsdp2.py"
-    completed = hetdp_run("-n", 2, "--devices", table, script, "--samples", "128", "--epochs", "1")
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert "epoch 0: loss" in completed.stdout
