@@ -2,17 +2,14 @@
 training, merged every epoch."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-def test_cadp_example_trains_each_device_on_its_planned_share_through_the_drop_in():
-    command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "4", str(EXAMPLES / "cadp_train.py"),
-               "--cluster", str(EXAMPLES / "cadp_cluster.toml"), "--epochs", "2", "--no-emulate"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+def test_cadp_example_trains_each_device_on_its_planned_share_through_the_drop_in(hetdp_run):
+    completed = hetdp_run("-n", 4, EXAMPLES / "cadp_train.py", "--cluster", EXAMPLES / "cadp_cluster.toml",
+                          "--epochs", 2, "--no-emulate")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     lines = completed.stdout.strip().splitlines()
     losses = [float(re.match(r"epoch \d: [\d.]+ s, loss ([\d.]+); ", line).group(1)) for line in lines[-3:-1]]

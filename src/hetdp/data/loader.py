@@ -9,7 +9,6 @@ from one step to the next.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import warnings
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from hetdp.data.randomness import set_random_state
 from hetdp.data.steps import StepSampler, StepTicket
-
+from hetdp.runtime.teardown import collect_released
 
 _DATALOADER_OPTIONS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                        "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
@@ -127,7 +126,7 @@ class AllocatedLoader:
         worker hangs or crashes. Collected here, such a group ends in this process, where its threads are.
         """
         if self._loader.num_workers > 0:
-            gc.collect()
+            collect_released()
         return iter(self._loader)
 
     def _start_pass(self) -> None:

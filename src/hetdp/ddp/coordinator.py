@@ -33,7 +33,7 @@ from hetdp.figures.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.figures.tally import Epochs
 from hetdp.runtime.liveness import Heartbeat
 from hetdp.runtime import host_group
-from hetdp.runtime.teardown import collect_at_exit
+from hetdp.runtime.teardown import collect_at_exit, release_group
 from hetdp.sync.base import Synchronizer
 
 
@@ -315,7 +315,7 @@ class StepCoordinator(Allocating, CheckpointState):
         if self._writer is not None:
             self._writer.close()
         if self._figures_group is not group:
-            dist.destroy_process_group(self._figures_group)
+            release_group(self._figures_group)
 
 
 def _optimizer_stepped(ref: weakref.ref[StepCoordinator], optimizer: torch.optim.Optimizer, args: Any,

@@ -16,6 +16,7 @@ from torch import nn
 from hetdp.ddp.hook import waits_for_rounds
 from hetdp.errors import ConfigError
 from hetdp.membership.standin import synchronizes_batches
+from hetdp.runtime.teardown import release_group
 from hetdp.sync.policy import SyncPolicy
 
 
@@ -55,7 +56,7 @@ def check_place(follow: _Model, place: tuple[int, int], made: dist.ProcessGroup 
     the follower ``made`` for itself, if any, is released first."""
     if (follow.rank, follow.world_size) != place:
         if made is not None:
-            dist.destroy_process_group(made)
+            release_group(made)
         raise ConfigError(f"a model follows another on the same ranks: this is rank {place[0]} of {place[1]}, "
                           f"the one it follows rank {follow.rank} of {follow.world_size}")
 

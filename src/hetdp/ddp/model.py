@@ -38,6 +38,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
+from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, batch_statistics_mix
 from hetdp.sync.policy import SyncPolicy, sync_policy
 
@@ -260,7 +261,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
         self._steps.close()
         self._release_figures(self._group)
         if self._own_group:
-            dist.destroy_process_group(self._group)
+            release_group(self._group)
         self._group = None
 
     def __enter__(self) -> DistributedDataParallel:

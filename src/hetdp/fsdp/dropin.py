@@ -41,6 +41,7 @@ from hetdp.fsdp.rowmemory import uneven_footprint
 from hetdp.fsdp.uneven import UnevenModule
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
+from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
 
@@ -391,7 +392,7 @@ class ShardedDropIn(StepCoordinator):
         for handle in self._handles:
             handle.remove()
         self._release_figures(self._group)
-        dist.destroy_process_group(self._group)
+        release_group(self._group)
         self._group = None
 
     def __repr__(self) -> str:
