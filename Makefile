@@ -17,16 +17,22 @@ $(BIN)/hetdp: pyproject.toml requirements-dev.txt
 
 venv: $(BIN)/hetdp
 
-# Two passes over every test. The first runs all but the `serial` ones on 4 workers, a file's tests on one worker
-# (a module's launch is shared by its tests): unit tests use both cores, and distributed tests, whose workers mostly
-# sleep (emulated devices, timeouts waited out), overlap each other's waits. The second runs the `serial` tests one
-# at a time: what they assert (adaptive shares, who a partial round waited for) follows measured times, which other
-# tests' processes would distort. Then the site is built strictly, so that a broken reference fails. hetdp is compiled
-# first: where PYTHONDONTWRITEBYTECODE is set, every rank would compile it again (0.15 s of CPU each, some 400 of them).
+# Two passes over every test. The first runs the distributed tests but the `serial` ones on 4 workers, a file's tests
+# on one worker (a module's launch is shared by its tests): their workers mostly import torch and sleep (emulated
+# devices, timeouts waited out), so 4 overlap on 2 cores. The second runs the `serial` tests one at a time: what they
+# assert (adaptive shares, who a partial round waited for) follows measured times, which other tests' processes
+# would distort. Beside them, at the lowest CPU priority, run the unit tests (on 2 workers, their output printed once
+# they end): they take only the CPU the serial tests leave idle while they sleep, and a woken serial rank preempts
+# them. Then the site is built strictly, so that a broken reference fails. hetdp is compiled first: where
+# PYTHONDONTWRITEBYTECODE is set, every rank would compile it again (0.15 s of CPU each, some 400 of them).
 test: venv
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -q -n 4 --dist loadfile -m "not serial" --durations=20 tests
-	$(BIN)/python -m pytest -q -m serial --durations=20 tests
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile -m "not serial" --durations=20 tests/distributed
+	unit_log=$$(mktemp); \
+	nice -n 19 $(BIN)/python -m pytest -q -n 2 -m "not serial" --durations=10 tests/unit >$$unit_log 2>&1 & unit=$$!; \
+	$(BIN)/python -m pytest -q -m serial --durations=20 tests; serial=$$?; \
+	wait $$unit; unit_rc=$$?; cat $$unit_log; rm -f $$unit_log; \
+	test $$serial -eq 0 && test $$unit_rc -eq 0
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
 
 docs: venv

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hetdp.fsdp.rows import split_rows
 from hetdp.fsdp.rowshard import RowShardedUnit, full_tensor
+from hetdp.runtime.teardown import collect_at_exit
 
 WEIGHTS = (0.0, 1.0, 3.0)
 
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    collect_at_exit()  # as hetdp's drop-ins do: the units' cycles go before finalization, not during it
     torch.set_num_threads(1)
     result = checks(args.out)
     every = [None] * dist.get_world_size()
