@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import hetdp.cli.run
 from hetdp.errors import HetDPError, WorkerError
 from hetdp.launch import run_local
 
@@ -20,6 +21,8 @@ EVENTS_SCRIPT = """
     import os
 
     assert __name__ == "__main__"
+    if os.environ["RANK"] == "0":
+        print("ARGS", sys.argv[2:])
     writer = EventWriter(enabled=os.environ["RANK"] == "0")
     for step in range(int(sys.argv[1])):
         writer.update(row={"step": step, "word": sibling.WORD})
@@ -37,14 +40,20 @@ def script(tmp_path):
     return write
 
 
-def test_rank_0_events_reach_the_launcher_in_order(script):
+# A script's flags that abbreviate torchrun's own reach the script: the events' launch passes them through hetdp's
+# worker (report_errors=True), the handshake's straight to the script.
+ABBREVIATING_FLAGS = ["--signal", "KILL", "--nnodes", "3"]
+
+
+def test_rank_0_events_reach_the_launcher_in_order_and_flags_like_torchruns_reach_the_script(script):
     script("WORD = 'beside'\n", name="sibling.py")
     seen = []
-    completed = run_local(script(EVENTS_SCRIPT), 2, ["3"], follow=seen.extend, report_errors=True, capture=True,
-                          timeout_s=120)
+    completed = run_local(script(EVENTS_SCRIPT), 2, ["3", *ABBREVIATING_FLAGS], follow=seen.extend,
+                          report_errors=True, capture=True, timeout_s=120)
     assert completed.returncode == 0, completed.stdout
     rows = [{"advance": 1, "row": {"step": step, "word": "beside"}} for step in range(3)]
     assert seen == [{"advance": 0}, *rows, {"advance": 2}]  # the first says the workers are up
+    assert f"ARGS {ABBREVIATING_FLAGS}" in completed.stdout
 
 
 HANDSHAKE_SCRIPT = """
@@ -53,6 +62,7 @@ HANDSHAKE_SCRIPT = """
     from hetdp.launch import EventWriter
 
     if os.environ["RANK"] == "0":
+        print("ARGS", sys.argv[2:])
         EventWriter().update(row={"go": sys.argv[1]})
         deadline = time.monotonic() + 60
         while not Path(sys.argv[1]).exists():    # the launcher answers the row while this rank still runs
@@ -62,30 +72,41 @@ HANDSHAKE_SCRIPT = """
 """
 
 
-def test_events_reach_the_launcher_while_the_workers_run(script, tmp_path):
+def test_events_reach_the_launcher_while_the_workers_run_and_flags_like_torchruns_reach_the_script(script, tmp_path):
     def answer(events):
         for event in events:
             if "row" in event:
                 Path(event["row"]["go"]).touch()
 
-    completed = run_local(script(HANDSHAKE_SCRIPT), 2, [tmp_path / "go"], follow=answer, capture=True, timeout_s=120)
+    completed = run_local(script(HANDSHAKE_SCRIPT), 2, [tmp_path / "go", *ABBREVIATING_FLAGS], follow=answer,
+                          capture=True, timeout_s=120)
     assert completed.returncode == 0, completed.stdout
+    assert f"ARGS {ABBREVIATING_FLAGS}" in completed.stdout
 
 
-def test_a_workers_hetdp_error_is_raised_once_by_the_launcher(script):
-    path = script("import hetdp\nraise hetdp.ConfigError('batch_size must be >= 1, got 0')\n")
-    # torchrun stops the other rank once one failed: it may or may not have reported the error too
-    with pytest.raises(HetDPError, match=r"^batch_size must be >= 1, got 0 \((rank 0|rank 1|ranks 0, 1)\)$"):
-        run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
+def test_a_workers_hetdp_error_is_raised_once_by_the_launcher_and_hetdp_run_ends_in_its_line(script, hetdp_run,
+                                                                                               monkeypatch):
+    # One launch checks both layers: what `run_local` raises (seen by a spy on the one `hetdp run` calls), and the
+    # line `hetdp run` turns it into.
+    raised: list[BaseException] = []
 
+    def spy(*args, **kwargs):
+        try:
+            return run_local(*args, **kwargs)
+        except BaseException as error:
+            raised.append(error)
+            raise
 
-def test_hetdp_run_ends_in_the_workers_error_line_without_traceback(script, hetdp_run):
+    monkeypatch.setattr(hetdp.cli.run, "run_local", spy)
     path = script("import hetdp\nraise hetdp.ConfigError('the cluster has 4 devices but the group has 2 ranks')\n")
     completed = hetdp_run("-n", 2, path)
+    # torchrun stops the other rank once one failed: it may or may not have reported the error too
+    message = r"the cluster has 4 devices but the group has 2 ranks \((rank 0|rank 1|ranks 0, 1)\)"
+    assert len(raised) == 1 and isinstance(raised[0], HetDPError), raised
+    assert re.fullmatch(message, str(raised[0])), str(raised[0])
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr + completed.stdout
-    assert re.fullmatch(r"hetdp run: error: the cluster has 4 devices but the group has 2 ranks "
-                        r"\((rank 0|rank 1|ranks 0, 1)\)", completed.stderr.splitlines()[-1])
+    assert re.fullmatch(f"hetdp run: error: {message}", completed.stderr.splitlines()[-1])
 
 
 FAILING_RANK_SCRIPT = """
@@ -138,16 +159,6 @@ def test_a_bug_in_a_worker_is_raised_once_with_its_rank_and_traceback(script):
         run_local(path, 2, report_errors=True, capture=True, timeout_s=120)
     assert caught.value.exit_code == 1
     assert caught.value.output.count("Traceback") == 1  # both ranks raised it: the first to fail tells it
-
-
-@pytest.mark.parametrize("report_errors", [False, True])
-def test_script_flags_that_abbreviate_torchruns_own_reach_the_script(tmp_path, report_errors):
-    script = tmp_path / "args.py"
-    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('ARGS', sys.argv[1:])\n")
-    completed = run_local(script, 1, ["--signal", "KILL", "--nnodes", "3"], capture=True, timeout_s=120,
-                          report_errors=report_errors)
-    assert completed.returncode == 0, completed.stdout
-    assert "ARGS ['--signal', 'KILL', '--nnodes', '3']" in completed.stdout
 
 
 EMULATION_SCRIPT = """

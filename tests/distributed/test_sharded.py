@@ -1,10 +1,9 @@
 """The sharded drop-in (``hetdp.fully_shard``) in a user's own FSDP2 loop, with real processes over gloo: whatever the
-shares, the parameters are those of one process on the same global batches; memory caps; a killed rank and a resume
-on fewer ranks."""
+shares, the parameters are those of one process on the same global batches; memory caps. (A killed rank and a resume
+on fewer ranks, on these even shards and on memory-sized ones: test_uneven.py.)"""
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import math
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.launch import run_local
 
 from .conftest import WORKERS
 
@@ -138,30 +136,6 @@ def test_a_checkpoint_folder_not_every_rank_sees_is_one_error_at_the_first_save_
         assert error.startswith("ConfigError: checkpoint folder "), error
         assert "is not one folder on every rank: ranks 1, 2, 3 cannot read what rank 0 wrote there" in error, error
         assert "\n" not in error
-
-
-def test_a_killed_rank_resumes_under_restarts_and_a_resume_on_fewer_ranks_reshards_exactly(tmp_path):
-    # Two ranks save every 2 steps; rank 1 is killed in step 5 and the launch restarts from the save at step 4; that
-    # run stops after step 8, and one rank resumes it: DCP reshards the model and AdamW's state onto it.
-    restarts: list[int] = []
-    args = ["--ckpt", tmp_path / "ckpt", "--record", tmp_path / "steps.log", "--out", tmp_path / "final.pt"]
-    first = run_local(WORKERS / "sharded_resume_worker.py", 2, [*map(str, args), "--die-at", "5", "--stop-at", "8"],
-                      capture=True, timeout_s=240, max_restarts=1, report_errors=True,
-                      on_restart=lambda attempt, code: restarts.append(attempt))
-    assert first.returncode == 0 and restarts == [1], first.stdout
-    second = run_local(WORKERS / "sharded_resume_worker.py", 1, list(map(str, args)), capture=True, timeout_s=240,
-                       report_errors=True)
-    assert second.returncode == 0, second.stdout
-    steps: dict[str, set[int]] = collections.defaultdict(set)
-    ranks: dict[str, set[int]] = collections.defaultdict(set)
-    for line in (tmp_path / "steps.log").read_text().splitlines():
-        launch, step, rank = line.split()
-        steps[launch].add(int(step))
-        ranks[launch].add(int(rank))
-    killed, restarted, resized = steps.values()  # in the order the launches ran
-    assert max(killed) == 5 and min(restarted) == 4 and max(restarted) == 7  # two steps redone
-    assert min(resized) == 8 and max(resized) == 2 * STEPS_PER_EPOCH - 1 and list(ranks.values())[-1] == {0}
-    assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(2))
 
 
 def test_the_adopted_fsdp2_script_shards_by_memory_and_names_the_straggler_under_hetdp_run_devices(tmp_path,

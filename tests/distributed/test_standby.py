@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,18 @@ CALLS = 8
 
 
 @pytest.fixture(scope="module")
-def standby(tmp_path_factory, torchrun) -> Path:
-    """One launch that runs the majority mode's gather, then the quorum mode's."""
+def launch(tmp_path_factory, torchrun) -> tuple[Path, subprocess.CompletedProcess]:
+    """One launch that runs the majority mode's gather, then the quorum mode's, each rank writing what it received;
+    then the majority mode's again with a plain blocking wait, where it fails."""
     out = tmp_path_factory.mktemp("standby")
-    torchrun("standby_worker.py", RANKS, "--out", out, "--modes", "majority,quorum", "--calls", CALLS, timeout_s=120)
-    return out
+    result = torchrun("standby_worker.py", RANKS, "--out", out, "--modes", "majority,quorum", "--calls", CALLS,
+                      "--then-block", timeout_s=120, expect_rc=None)
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def standby(launch) -> Path:
+    return launch[0]
 
 
 @pytest.mark.parametrize("mode", ["majority", "quorum"])
@@ -29,8 +37,10 @@ def test_a_rank_in_standby_fires_the_rounds_the_last_rank_needs(standby, mode):
         assert result["samples"] == CALLS, (rank, result)  # every contribution reached every rank exactly once
 
 
-def test_a_rank_blocked_between_steps_would_stall_the_round_it_initiates(torchrun, tmp_path):
-    # The same run with a plain blocking wait: the last rank's round waits for an initiator that waits for it.
-    result = torchrun("standby_worker.py", RANKS, "--out", tmp_path, "--wait", "block", timeout_s=120, expect_rc=None)
+def test_a_rank_blocked_between_steps_would_stall_the_round_it_initiates(launch):
+    # The majority run again with a plain blocking wait: the last rank's round waits for an initiator that waits for
+    # it. Every rank wrote both standby runs' results first: the launch failed in the blocking run, not before.
+    out, result = launch
+    assert len(list(out.glob("standby_*.json"))) == 2 * RANKS, result.stdout[-2000:]
     assert result.returncode != 0
     assert "did not fire" in result.stdout, result.stdout[-2000:]

@@ -1,7 +1,8 @@
 """Memory-sized shards (``hetdp.fully_shard`` on ranks whose emulated memories are 1, 1, 2 and 4 MB) in a user's own
 FSDP2 loop, with real processes over gloo: each rank holds rows of every parameter in proportion to its memory, and
 whatever the shares the parameters are those of one process on the same global batches; caps after placement; a
-device too small for any shard; checkpoints onto even shards and back, a killed rank and a resume on fewer ranks."""
+device too small for any shard; checkpoints onto even shards and back; a killed rank restarted and a resume on fewer
+ranks, on even shards and memory-sized ones."""
 
 from __future__ import annotations
 
@@ -127,30 +128,35 @@ def test_equal_memories_and_shard_sizes_even_keep_torch_s_fsdp2_and_a_model_mixi
                                 "every fully_shard call of a model the same shard_sizes"), figures["mixed"]
 
 
-def test_a_killed_rank_resumes_under_restarts_and_a_resume_on_fewer_ranks_reshards_uneven_shards(tmp_path):
-    # Three ranks of 1, 2 and 4 MB save every 2 steps; rank 1 is killed in step 5 and the launch restarts from the
-    # save at step 4; that run stops after step 8, and two ranks of 1 and 3 MB resume it: DCP reshards the model and
-    # AdamW's state from one split of rows onto another.
+def test_a_killed_rank_resumes_under_restarts_on_even_and_uneven_shards_and_fewer_ranks_reshard_them_exactly(
+        tmp_path):
+    # One chain of launches over 3 epochs (15 steps), every rank saving every 2 steps, each launch on fewer ranks than
+    # the last: 3 ranks on torch's even shards, rank 1 killed in step 3 and the launch restarted from the save at
+    # step 2, stopped after step 5; 2 ranks of 1 and 3 MB resume it (DCP reshards the model and AdamW's state from
+    # even shards onto memory-sized ones), rank 1 killed in step 9 and restarted from the save at step 8, stopped
+    # after step 11; one rank resumes that and ends the run (memory-sized shards onto one).
     restarts: list[int] = []
-    args = ["--ckpt", tmp_path / "ckpt", "--record", tmp_path / "steps.log", "--out", tmp_path / "final.pt"]
-    first = run_local(WORKERS / "uneven_resume_worker.py", 3,
-                      [*map(str, args), "--memories", "1,2,4", "--die-at", "5", "--stop-at", "8"], capture=True,
-                      timeout_s=300, max_restarts=1, report_errors=True,
-                      on_restart=lambda attempt, code: restarts.append(attempt))
-    assert first.returncode == 0 and restarts == [1], first.stdout
-    second = run_local(WORKERS / "uneven_resume_worker.py", 2, [*map(str, args), "--memories", "1,3"], capture=True,
-                       timeout_s=300, report_errors=True)
-    assert second.returncode == 0, second.stdout
+    args = ["--ckpt", tmp_path / "ckpt", "--record", tmp_path / "steps.log", "--out", tmp_path / "final.pt",
+            "--epochs", 3]
+    for ranks, options in ((3, ["--die-at", 3, "--stop-at", 6]), (2, ["--memories", "1,3", "--die-at", 9,
+                                                                     "--stop-at", 12]), (1, [])):
+        completed = run_local(WORKERS / "sharded_resume_worker.py", ranks, [*map(str, args), *map(str, options)],
+                              capture=True, timeout_s=300, max_restarts=1 if options else 0, report_errors=True,
+                              on_restart=lambda attempt, code: restarts.append(attempt))
+        assert completed.returncode == 0, completed.stdout
+    assert restarts == [1, 1]
     steps: dict[str, set[int]] = collections.defaultdict(set)
     ranks: dict[str, set[int]] = collections.defaultdict(set)
     for line in (tmp_path / "steps.log").read_text().splitlines():
         launch, step, rank = line.split()
         steps[launch].add(int(step))
         ranks[launch].add(int(rank))
-    killed, restarted, resized = steps.values()
-    assert max(killed) == 5 and min(restarted) == 4 and max(restarted) == 7
-    assert min(resized) == 8 and max(resized) == 2 * STEPS_PER_EPOCH - 1 and list(ranks.values())[-1] == {0, 1}
-    held = json.loads((tmp_path / "final.pt.rows").read_text())  # the resumed run's rows, in elements
-    assert abs(held[0] / sum(held) - 0.25) < 0.02
-    assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(2))
-
+    # In the order the launches ran: each killed one, its restart (two steps redone), then the last.
+    assert [(min(each), max(each)) for each in steps.values()] == [(0, 3), (2, 5), (6, 9), (8, 11),
+                                                                   (12, 3 * STEPS_PER_EPOCH - 1)]
+    assert list(ranks.values()) == [{0, 1, 2}] * 2 + [{0, 1}] * 2 + [{0}]
+    held = [json.loads(line) for line in (tmp_path / "final.pt.rows").read_text().splitlines()]
+    assert [launch["uneven"] for launch in held] == [False, True, False]  # one rank holds everything: torch's path
+    elements = held[1]["elements"]  # the 2 ranks of 1 and 3 MB
+    assert abs(elements[0] / sum(elements) - 0.25) < 0.02, elements
+    assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(3))

@@ -3,7 +3,9 @@
 The model has dropout (``--dropout``, default 0.3), so each rank's random state must come back too; without it, the
 model is one process's on the same global batches. Every rank logs the dataset indices of each step it runs
 (``--record``); rank 0 saves the final parameters (``--out``). ``--die-at S`` sends rank ``--die-rank`` ``--signal``
-(KILL: it dies; STOP: it hangs) after S steps on the first attempt.
+(KILL: it dies; STOP: it hangs) after S steps on the first attempt. Each of the three takes a comma-separated list,
+one fault per attempt: ``--die-at 8,14 --die-rank 1,2 --signal KILL,STOP`` kills rank 1 on the first attempt and
+stops rank 2 on the second (the restart after the first).
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ class Indexed(Dataset):
         return self.x[index], self.y[index], index
 
 
+def ints(text: str) -> list[int]:
+    return [int(each) for each in text.split(",")]
+
+
+def signals(text: str) -> list[str]:
+    names = text.split(",")
+    if not set(names) <= {"KILL", "STOP"}:
+        raise argparse.ArgumentTypeError(f"signals are KILL or STOP, got {text!r}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path, required=True)
@@ -41,9 +54,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every", type=int, default=3)
-    parser.add_argument("--die-at", type=int, default=-1)
-    parser.add_argument("--die-rank", type=int, default=1)
-    parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    parser.add_argument("--die-at", type=ints, default=[-1])
+    parser.add_argument("--die-rank", type=ints, default=[1])
+    parser.add_argument("--signal", type=signals, default=["KILL"])
     parser.add_argument("--step-timeout", type=float, default=60.0)
     parser.add_argument("--allocation", default="equal")
     parser.add_argument("--weights", default="")
@@ -61,7 +74,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
     ckpt = model.checkpointer(args.ckpt, optimizer, scheduler=scheduler, every=args.every)
     ckpt.resume()
-    first_attempt = os.environ.get("HETDP_RESTART", "0") == "0"
+    attempt = int(os.environ.get("HETDP_RESTART", "0"))
+    fault = (args.die_at[attempt], args.die_rank[attempt], args.signal[attempt]) if attempt < len(args.die_at) else None
     launch = os.environ["TORCHELASTIC_RUN_ID"]
     with args.record.open("a") as log:
         for epoch in range(ckpt.epoch, args.epochs):
@@ -75,8 +89,8 @@ def main() -> None:
                     indices = " ".join(map(str, index.tolist()))
                     log.write(f"{launch} {epoch} {model.steps_done} {model.rank} {indices}\n")
                     log.flush()
-                if first_attempt and model.rank == args.die_rank and model.steps_done + 1 == args.die_at:
-                    os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
+                if fault is not None and model.rank == fault[1] and model.steps_done + 1 == fault[0]:
+                    os.kill(os.getpid(), getattr(signal, f"SIG{fault[2]}"))
     if model.rank == 0:
         torch.save(model.module.state_dict(), args.out)
     model.close()

@@ -1,14 +1,18 @@
-"""Worker for tests/distributed/test_sharded.py's faults: the sharded drop-in with step checkpoints through
-torch.distributed.checkpoint, killed once and restarted, stopped, then resumed on fewer ranks.
+"""Worker for tests/distributed/test_uneven.py's faults: the sharded drop-in with step checkpoints through
+torch.distributed.checkpoint, on torch's even shards or memory-sized ones (``--memories``, MB per rank, as
+``hetdp run --devices`` gives them), killed once and restarted, stopped, then resumed on fewer ranks of another
+layout.
 
 Every rank logs each step it runs (``--record``: launch, step, rank); rank 0 saves the final parameters, whole
-(``--out``). ``--die-at S``: on the first attempt, rank 1 kills itself in step S. ``--stop-at S``: the run stops
-once step S ended (and was saved), as a job whose allocation ran out.
+(``--out``), unless the run stopped, and appends a line to ``--out`` + ``.rows`` as each launch ends: whether its
+shards were memory-sized and the elements of every rank's rows. ``--die-at S``: on the first attempt, rank 1 kills
+itself in step S. ``--stop-at S``: the run stops once step S ended (and was saved).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import warnings
@@ -16,9 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from sharded_worker import full_state, loader_for, loss_of, make_model, make_optimizer, sequences, shard
+from sharded_worker import loader_for, loss_of, make_model, make_optimizer, sequences, shard
+from uneven_worker import every_rank, set_memories, whole
 
 import hetdp
+from hetdp.fsdp.uneven import UnevenModule
 
 
 def main() -> None:
@@ -26,6 +32,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--record", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--memories", help="MB per rank, comma-separated (none: torch's even shards)")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
@@ -34,6 +41,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     hetdp.init_distributed("gloo")
     torch.set_num_threads(1)
+    set_memories(tuple(float(memory) for memory in args.memories.split(",")) if args.memories else None)
     model = shard(make_model(), allocation="equal")
     loader = model.allocate(loader_for(sequences()), global_batch=16)  # the same steps on any number of ranks
     optimizer = make_optimizer(model, "adamw")
@@ -62,9 +70,13 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
             if stopped:
                 break
-    state = full_state(model)
-    if rank == 0 and not stopped:
-        torch.save(state, args.out)
+    state = whole(model)
+    rows = every_rank(sum(parameter.to_local().numel() for parameter in model.parameters()))
+    if rank == 0:
+        if not stopped:
+            torch.save(state, args.out)
+        with Path(f"{args.out}.rows").open("a") as held:
+            held.write(json.dumps({"uneven": isinstance(model, UnevenModule), "elements": rows}) + "\n")
     model.close()
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 Ranks 0..N-2 wait for an all-gather that the last rank joins only after it contributed ``--calls`` gradients of
 one sample each (each of ``--modes``, majority or quorum, in turn): a round waiting for a waiting rank would never
 fire. With ``--wait standby`` they wait in ``PartialGradients.standby``; with ``--wait block``, in a plain blocking wait.
+``--then-block``: once the modes ran, the first of them runs again with a plain blocking wait (where the launch fails).
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ def main() -> None:
     parser.add_argument("--modes", default="majority", help="comma-separated, run in this order")
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--wait", choices=("standby", "block"), default="standby")
+    parser.add_argument("--then-block", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    for mode in modes:
         result = run(mode, args.calls, args.wait)
         (args.out / f"standby_{mode}_{dist.get_rank()}.json").write_text(json.dumps(result))
+    if args.then_block:
+        run(modes[0], args.calls, "block")
     dist.destroy_process_group()
 
 if __name__ == "__main__":
