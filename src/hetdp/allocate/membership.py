@@ -87,10 +87,11 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     Every group, today's too, is priced by the same model (``step_s``): today's measured step against another
     group's modelled one would compare two kinds of price, the model's optimism would read as a gain, and groups
     would take turns. What today's step costs beyond compute and exchange (the optimizer, the loop's own work, ranks
-    contending for shared cores) the caller measures, and every group pays ``overhead_s`` of it per member up to
-    today's number: a smaller group may shed some of it, a larger one is not charged more than today's pays. What
-    the model still misses the caller measures after a change, and undoes a change that measured slower
-    (``Allocator``).
+    contending for shared cores) the caller measures; where the model finds no group better by the margin, the groups
+    it prices within the margin of today's (a tie: it cannot tell them apart) are priced again with ``overhead_s``
+    of that work per member, up to today's number (a smaller group may shed some of it, a larger one is not charged
+    more than today's pays). What the model still misses the caller measures after a change, and undoes a change
+    that measured slower (``Allocator``).
 
     Args:
         sample_s: each rank's seconds per sample: measured at its last share (a member's, or an absent rank's
@@ -119,13 +120,23 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
 
-    def priced(group: Sequence[int]) -> float:
-        return step_s(group, speeds, total, measured, minimum) + overhead_s * min(len(group), len(current))
+    def modelled(group: Sequence[int]) -> float:
+        return step_s(group, speeds, total, measured, minimum)
 
-    best = min((known[:k] for k in range(1, len(known) + 1)), key=priced)
+    def priced(group: Sequence[int]) -> float:
+        return modelled(group) + overhead_s * min(len(group), len(current))
+
+    margin = max(gain, NOISE_MARGIN * noise)
+    groups = [known[:k] for k in range(1, len(known) + 1)]
+    best = min(groups, key=modelled)
     chosen = sorted(current)
-    if sorted(best) != chosen and priced(best) <= (1.0 - max(gain, NOISE_MARGIN * noise)) * priced(current):
+    if sorted(best) != chosen and modelled(best) <= (1.0 - margin) * modelled(current):
         chosen = sorted(best)
+    elif overhead_s > 0:  # the charge decides among the groups the model cannot tell from today's
+        ties = [group for group in groups if modelled(group) <= (1.0 + margin) * modelled(current)]
+        best = min(ties, key=priced)
+        if sorted(best) != chosen and priced(best) <= (1.0 - margin) * priced(current):
+            chosen = sorted(best)
     return Membership(tuple(chosen), priced(chosen),
                       {rank: why_out(rank, chosen, speeds, total, measured, minimum, overhead_s)
                        for rank in range(len(speeds)) if rank not in chosen})
