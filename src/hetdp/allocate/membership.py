@@ -6,7 +6,7 @@ seconds, then exchanges its gradient. A slow rank shortens the compute a little
 and lengthens the exchange (one more peer in the allreduce): a GPU beside three
 CPU cores trains faster alone. The decision here is a pure function of measured
 figures (each rank's seconds per sample, the exchange's seconds at the group
-sizes seen), so every rank that holds the same figures decides the same.
+sizes seen, and what today's step costs beyond both), so every rank that holds the same figures decides the same.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class Membership:
 
 
 def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
-                   current: Sequence[int], gain: float = GAIN, noise: float = 0.0, minimum: int = 1) -> Membership:
+                   current: Sequence[int], gain: float = GAIN, noise: float = 0.0, minimum: int = 1,
+                   overhead_s: float = 0.0) -> Membership:
     """The members that make the step shortest, if they beat ``current`` by ``gain`` and by the noise; else
     ``current``.
 
@@ -85,8 +86,12 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     deterministic function). While some rank's speed is unknown (None: never measured) the members stay.
     Every group, today's too, is priced by the same model (``step_s``): today's measured step against another
     group's modelled one would compare two kinds of price, the model's optimism would read as a gain, and groups
-    would take turns. What the model misses (ranks that share cores or a bus, an exchange that slows the compute
-    beside it) the caller measures after a change, and undoes a change that measured slower (``Allocator``).
+    would take turns. What today's step costs beyond compute and exchange (the optimizer, the loop's own work, ranks
+    contending for shared cores) the caller measures; where the model finds no group better by the margin, the groups
+    it prices within the margin of today's (a tie: it cannot tell them apart) are priced again with ``overhead_s``
+    of that work per member, up to today's number (a smaller group may shed some of it, a larger one is not charged
+    more than today's pays). What the model still misses the caller measures after a change, and undoes a change
+    that measured slower (``Allocator``).
 
     Args:
         sample_s: each rank's seconds per sample: measured at its last share (a member's, or an absent rank's
@@ -98,6 +103,7 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         noise: the relative standard error of the figures the prices come from: a new membership must shorten the
             step by ``NOISE_MARGIN`` times it too.
         minimum: the least share of a member.
+        overhead_s: seconds of today's step beyond compute and exchange, per current member.
 
     Raises:
         ConfigError: a speed that is not a positive number, or no current member.
@@ -114,22 +120,34 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
         return Membership(tuple(sorted(current)), math.nan)
     speeds: list[float] = list(sample_s)  # type: ignore[arg-type]
 
-    def priced(group: Sequence[int]) -> float:
+    def modelled(group: Sequence[int]) -> float:
         return step_s(group, speeds, total, measured, minimum)
 
-    best = min((known[:k] for k in range(1, len(known) + 1)), key=priced)
+    def priced(group: Sequence[int]) -> float:
+        return modelled(group) + overhead_s * min(len(group), len(current))
+
+    margin = max(gain, NOISE_MARGIN * noise)
+    groups = [known[:k] for k in range(1, len(known) + 1)]
+    best = min(groups, key=modelled)
     chosen = sorted(current)
-    if sorted(best) != chosen and priced(best) <= (1.0 - max(gain, NOISE_MARGIN * noise)) * priced(current):
+    if sorted(best) != chosen and modelled(best) <= (1.0 - margin) * modelled(current):
         chosen = sorted(best)
+    elif overhead_s > 0:  # the charge decides among the groups the model cannot tell from today's
+        ties = [group for group in groups if modelled(group) <= (1.0 + margin) * modelled(current)]
+        best = min(ties, key=priced)
+        if sorted(best) != chosen and priced(best) <= (1.0 - margin) * priced(current):
+            chosen = sorted(best)
     return Membership(tuple(chosen), priced(chosen),
-                      {rank: why_out(rank, chosen, speeds, total, measured, minimum) for rank in range(len(speeds))
-                       if rank not in chosen})
+                      {rank: why_out(rank, chosen, speeds, total, measured, minimum, overhead_s)
+                       for rank in range(len(speeds)) if rank not in chosen})
 
 
 def why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,
-            measured: Mapping[int, float], minimum: int = 1) -> str:
-    """What ``rank`` would save and cost beside ``members``, said in one line."""
+            measured: Mapping[int, float], minimum: int = 1, overhead_s: float = 0.0) -> str:
+    """What ``rank`` would save and cost beside ``members``, said in one line (with ``overhead_s``, the step's work
+    beyond compute and exchange per member, where it was measured)."""
     saves_s = compute_s(members, sample_s, total, minimum) - compute_s([*members, rank], sample_s, total, minimum)
     adds_s = exchange_s(len(members) + 1, measured) - exchange_s(len(members), measured)
     saves = f"would save {1000 * saves_s:.1f} ms of compute per step" if saves_s > 0 else "would save no compute"
-    return f"its {1.0 / sample_s[rank]:.0f} samples/s {saves}, its exchange adds {1000 * adds_s:.1f} ms"
+    beyond = f" and {1000 * overhead_s:.1f} ms of the step's other work" if overhead_s > 0 else ""
+    return f"its {1.0 / sample_s[rank]:.0f} samples/s {saves}, its exchange adds {1000 * adds_s:.1f} ms{beyond}"

@@ -223,13 +223,15 @@ def _spread_below_median(times: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class _Trial:
-    """A membership change on trial: the members before it, their measured step, why the others sat out, and the
-    speeds the change was decided on."""
+    """A membership change on trial: the members before it, their measured step, why the others sat out, the
+    speeds the change was decided on, and whether it must measure a gain (it was decided on the step's work beyond
+    compute and exchange, which the model only apportions)."""
 
     members: list[int]
     step_s: float
     sat_out: dict[int, str]
     speeds: list[float | None]
+    needs_gain: bool = False
 
 
 class Allocator:
@@ -284,6 +286,8 @@ class Allocator:
         """Every rank's compute seconds for each measured step at the current shares, not yet re-planned on."""
         self._waits: list[list[float]] = []
         """Every rank's wait seconds for the same steps (where the caller gave them)."""
+        self._periods: list[list[float]] = []
+        """Every rank's step period for the same steps (where the caller gave them; 0: unknown)."""
         self._extended: int | None = None
         """The longer window a too noisy one asked for."""
         self._proposed_from = 0
@@ -362,22 +366,25 @@ class Allocator:
         """Steps measured at the current shares and not yet used by a re-plan."""
         return len(self._window)
 
-    def measure(self, compute_s: Sequence[float], wait_s: Sequence[float] | None = None) -> None:
+    def measure(self, compute_s: Sequence[float], wait_s: Sequence[float] | None = None,
+                period_s: Sequence[float] | None = None) -> None:
         """Record one step at the current shares: every rank's compute seconds (and wait seconds, which tell the
-        exchange's time). A step some member did not time (it ran no forward with gradients) tells nothing of the
-        speeds and is left out; a rank that sits out runs stand-ins, and its figures are not read."""
+        exchange's time; and periods, the seconds from the rank's previous step's start to this one's, which tell
+        what the step costs beyond both). A step some member did not time (it ran no forward with gradients) tells
+        nothing of the speeds and is left out; a rank that sits out runs stand-ins, and its figures are not read."""
         if self.adaptive is not None and all(compute_s[rank] > 0 for rank in self.members):
             if self._in_membership is not None:
                 self._in_membership += 1
             self._window.append(list(compute_s))
             self._waits.append(list(wait_s) if wait_s is not None else [])
+            self._periods.append(list(period_s) if period_s is not None else [])
 
     def due(self, epoch_end: bool = False, min_steps: int = 0) -> bool:
         """Whether enough steps were measured to re-plan (at an epoch's end, any for a per-epoch policy); fewer
         than ``min_steps`` never are, and count towards the next re-plan."""
         window = self.window()
         if window is None:
-            self._window, self._waits = [], []
+            self._window, self._waits, self._periods = [], [], []
             return False
         measured = len(self._window)
         return measured >= max(min_steps, 1) and (measured >= window if window > 0 else epoch_end)
@@ -410,7 +417,7 @@ class Allocator:
             if step_cv / math.sqrt(steps) > NOISY and steps < MAX_WINDOW and not self.adaptive.stable:
                 self._extended = min(2 * steps, MAX_WINDOW)
                 return None
-        self._window, self._waits, self._extended = [], [], None
+        self._window, self._waits, self._periods, self._extended = [], [], [], None
         before = list(self.shares)
         self.shares = self._full(self.adaptive.update([value * steps for value in typical], steps, step_cv=step_cv))
         self._proposed_from = steps
@@ -420,43 +427,39 @@ class Allocator:
         return list(self.shares)
 
     def _regroup(self, typical: Sequence[float]) -> bool:
-        """Decide who takes part from the window (the members' typical compute seconds per step, and their waits);
-        return whether the members changed, and then start the rule afresh over the new ones.
+        """Decide who takes part from the window (the members' typical compute seconds per step, their waits and
+        periods); return whether the members changed, and then start the rule afresh over the new ones.
 
         A member's seconds per sample are measured; a rank that sits out keeps the last it showed (its stand-in
         steps time nothing of its device). The exchange is what the last member to finish computing waits: the
-        least wait of a step; today's step is the longest compute plus wait of a member; both at their typical
-        (lower-quartile) value over the window, whose spread is the noise a change must beat. Groups are compared
-        by the model alone (``choose_members``); each change is a trial: once the new members ran
-        ``MEMBERSHIP_STEPS`` steps, their measured step is held against their predecessors', and a change that
-        measured slower (what the model misses: ranks that share cores or a bus) is undone, and not tried again
-        until some rank's speed moved by the policy's ``drift``.
+        least wait of a step. Groups are compared by the model (``choose_members``), each member charged an equal
+        part of what today's step measured beyond compute and exchange (``_measured_step``). Each change is a
+        trial: once the new members ran ``MEMBERSHIP_STEPS`` steps, their measured step is held against their
+        predecessors', and a change that measured slower (what the model misses: ranks that share cores or a bus),
+        or, where only that charge decided it, no faster, is undone, and not tried again until some rank's speed
+        moved by the policy's ``drift``.
         """
         if not self.decides_membership:
             return False
         for rank, seconds in zip(self.members, typical):
             if self.shares[rank] > 0:
                 self.sample_s[rank] = seconds / self.shares[rank]
-        rows = [(compute, wait) for compute, wait in zip(self._window, self._waits) if wait]
-        now_s, noise = None, 0.0
-        if rows:
-            if len(self.members) > 1:
-                least_waits = [min(wait[r] for r in self.members) for _, wait in rows]
-                self.exchange_s[len(self.members)] = _typical(least_waits)
-            steps_s = [max(compute[r] + wait[r] for r in self.members) for compute, wait in rows]
-            now_s = _typical(steps_s)
-            if len(steps_s) > 1 and now_s > 0:
-                noise = QUANTILE_ERROR * _spread_below_median(steps_s) / now_s / math.sqrt(len(steps_s))
+        waits = [wait for wait in self._waits if wait]
+        if waits and len(self.members) > 1:
+            self.exchange_s[len(self.members)] = _typical([min(wait[r] for r in self.members) for wait in waits])
+        now_s, noise, beyond_s = self._measured_step()
         margin = max(GAIN, NOISE_MARGIN * noise)
         settled = self._in_membership is None or self._in_membership >= MEMBERSHIP_STEPS
         if settled and self._trial is not None and now_s is not None:
             trial, self._trial = self._trial, None
-            if now_s > (1.0 + margin) * trial.step_s:  # the change measured slower than the members before it
+            bound = (1.0 - margin) if trial.needs_gain else (1.0 + margin)
+            if now_s > bound * trial.step_s:  # the change measured slower (or no faster) than the members before it
                 self._refused[tuple(self.members)] = trial.speeds
                 self._switch(trial.members, trial.sat_out)
                 return True
+        overhead_s = beyond_s / len(self.members)
         decision = choose_members(self.sample_s, self.exchange_s, self.total, self.members, noise=noise,
-                                  minimum=self.minimum)
+                                  minimum=self.minimum, overhead_s=overhead_s)
         if list(decision.members) == self.members:
             self.sat_out = decision.sat_out
             return False
@@ -469,10 +472,34 @@ class Allocator:
             return False
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves
+        modelled = choose_members(self.sample_s, self.exchange_s, self.total, self.members, noise=noise,
+                                  minimum=self.minimum)
         self._trial = None if now_s is None else _Trial(list(self.members), now_s, dict(self.sat_out),
-                                                        list(self.sample_s))
+                                                        list(self.sample_s), modelled.members != decision.members)
         self._switch(decision.members, decision.sat_out)
         return True
+
+    def _measured_step(self) -> tuple[float | None, float, float]:
+        """Today's step over the window at its typical (lower-quartile) value, the relative standard error of that
+        value, and the seconds of it beyond the members' compute and exchange; (None, 0, 0) where the caller gave no
+        waits.
+
+        The step is the members' longest period (one step's start to the next: the optimizer, the loop's own work
+        and contention for shared cores included) where the caller gave periods, else their longest compute plus
+        wait; what lies beyond is the typical period less the typical compute plus wait, 0 without periods."""
+        rows = [(compute, wait, period) for compute, wait, period in zip(self._window, self._waits, self._periods)
+                if wait]
+        if not rows:
+            return None, 0.0, 0.0
+        busy = [max(compute[r] + wait[r] for r in self.members) for compute, wait, _ in rows]
+        periods = [max(period[r] for r in self.members) for _, _, period in rows
+                   if period and all(period[r] > 0 for r in self.members)]
+        steps_s = periods or busy
+        now_s = _typical(steps_s)
+        noise = 0.0
+        if len(steps_s) > 1 and now_s > 0:
+            noise = QUANTILE_ERROR * _spread_below_median(steps_s) / now_s / math.sqrt(len(steps_s))
+        return now_s, noise, max(now_s - _typical(busy), 0.0) if periods else 0.0
 
     def _hold(self, proposed: Sequence[int], why: str) -> None:
         """Keep today's members although the model proposes ``proposed``: each rank out says what it would save and
@@ -488,7 +515,7 @@ class Allocator:
         self._in_membership = 0
         self.adaptive = self._rule(self.members, [1.0 / seconds if seconds else 1.0 for seconds in self.sample_s])
         self.shares = self._full(self.adaptive.shares)
-        self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
+        self._window, self._waits, self._periods, self._extended, self._proposed_from = [], [], [], None, 0
         self.replans += 1
 
     def _was_refused(self, members: Sequence[int]) -> bool:
@@ -531,7 +558,7 @@ class Allocator:
                         if rank not in self.members}
         if self.adaptive is not None:
             self.adaptive = self._rule(self.members, [float(n) for n in shares])
-        self._window, self._waits, self._extended, self._proposed_from = [], [], None, 0
+        self._window, self._waits, self._periods, self._extended, self._proposed_from = [], [], [], None, 0
         self._in_membership = 0
 
     def observe(self, compute_s: Sequence[Sequence[float]]) -> list[int] | None:
@@ -566,7 +593,8 @@ class Allocator:
         trial = state.get("trial")
         self._trial = None if trial is None else _Trial(
             [int(rank) for rank in trial["members"]], float(trial["step_s"]),
-            {int(rank): why for rank, why in trial["sat_out"].items()}, list(trial["speeds"]))
+            {int(rank): why for rank, why in trial["sat_out"].items()}, list(trial["speeds"]),
+            bool(trial.get("needs_gain", False)))
         self._refused = {tuple(int(rank) for rank in members): list(speeds)
                          for members, speeds in state.get("refused", [])}
         if self.adaptive is not None and state.get("adaptive") is not None:

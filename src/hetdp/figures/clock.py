@@ -17,16 +17,20 @@ Mark = float | torch.cuda.Event
 
 
 class StepTimes:
-    """One step's compute and wait seconds, worked out when first read (``compute_s``, ``wait_s``).
+    """One step's compute and wait seconds, worked out when first read (``compute_s``, ``wait_s``), and its period.
 
     On CUDA the marks are events on the device's own timeline; reading them waits
     for the last one, so the drop-in reads them at its next gather of figures (a
     collective anyway), never on the step path.
     """
 
-    def __init__(self, start: Mark | None, backwards: list[list[Mark]]) -> None:
+    def __init__(self, start: Mark | None, backwards: list[list[Mark]], period_s: float = 0.0) -> None:
         self._start = start
         self._backwards = backwards
+        self.period_s = period_s
+        """Host seconds from the rank's previous step's start to this one's: the whole turn of a step, the optimizer,
+        the loop's own work and contention for shared cores included, which compute and wait leave out (0: unknown,
+        the first step, or the first after the ranks met outside a step)."""
         """Per backward of the step: [ready] or [ready, synced] (its last bucket ready; its gradients combined)."""
         self._figures: tuple[float, float] | None = None if start is not None else (0.0, 0.0)
 
@@ -108,6 +112,9 @@ class StepClock:
         self._start: Mark | None = None
         self._started_at = 0.0
         """The host's clock at ``start``: what pacing measures the real compute against."""
+        self._previous_start: float | None = None
+        """The host's clock at the previous step's ``start`` (None: none since the ranks last met outside a step)."""
+        self._period_s = 0.0
         self._backwards: list[list[Mark]] = []
         self._closed = False
         """A bucket came after the last backward's last one: that backward's wait is over (another began)."""
@@ -126,6 +133,8 @@ class StepClock:
     def start(self, step: int, samples: float) -> None:
         """The step's first forward begins (``samples``: its work, in samples or cost units)."""
         self._started_at = time.perf_counter()
+        previous, self._previous_start = self._previous_start, self._started_at
+        self._period_s = 0.0 if previous is None else self._started_at - previous
         self._start = self._mark() if self.device.type == "cuda" else self._started_at
         self._backwards = []
         self._closed = False
@@ -154,7 +163,8 @@ class StepClock:
 
     def restart(self) -> None:
         """The rank just met the others outside a step (an epoch's end the loop did not announce): the next step's
-        emulated time starts afresh."""
+        emulated time starts afresh, and its period is unknown (the meeting is no part of a step)."""
+        self._previous_start = None
         self.pacer.restart()
 
     def mark_synced(self) -> None:
@@ -164,7 +174,7 @@ class StepClock:
 
     def finish(self) -> StepTimes:
         """Close the started step: its figures, read later (``StepTimes``)."""
-        times = StepTimes(self._start, self._backwards)
+        times = StepTimes(self._start, self._backwards, self._period_s)
         self._start, self._backwards = None, []
         return times
 

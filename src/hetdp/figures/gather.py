@@ -57,20 +57,22 @@ class FiguresRow:
     """The next step this rank's loader cuts: a plan applies from the latest rank's on."""
     compute_s: list[float]
     wait_s: list[float]
+    period_s: list[float]
     samples: list[int]
     extra: list[float]
 
     def values(self) -> list[float]:
         """The row as it travels: one float64 tensor."""
-        return [float(self.horizon), *self.compute_s, *self.wait_s, *map(float, self.samples), *self.extra]
+        return [float(self.horizon), *self.compute_s, *self.wait_s, *self.period_s, *map(float, self.samples),
+                *self.extra]
 
     @classmethod
     def of(cls, values: Sequence[float], steps: int) -> FiguresRow:
         """Read back ``values()`` of a row with figures of ``steps`` steps."""
         values = [float(value) for value in values]
-        figures = [values[1 + k * steps : 1 + (k + 1) * steps] for k in range(3)]
-        return cls(horizon=int(values[0]), compute_s=figures[0], wait_s=figures[1],
-                   samples=[round(n) for n in figures[2]], extra=values[1 + 3 * steps :])
+        figures = [values[1 + k * steps : 1 + (k + 1) * steps] for k in range(4)]
+        return cls(horizon=int(values[0]), compute_s=figures[0], wait_s=figures[1], period_s=figures[2],
+                   samples=[round(n) for n in figures[3]], extra=values[1 + 4 * steps :])
 
 
 @dataclass
@@ -251,6 +253,7 @@ class Planner:
         return FiguresRow(horizon=self.horizon,
                           compute_s=[ended.times.compute_s if ok else math.nan for ended, ok in zip(pending, known)],
                           wait_s=[ended.times.wait_s if ok else math.nan for ended, ok in zip(pending, known)],
+                          period_s=[ended.times.period_s for ended in pending],
                           samples=[ended.ticket.samples for ended in pending], extra=list(extra))
 
     def _exchange(self, row: FiguresRow, steps: int, meet: bool) -> list[FiguresRow]:
@@ -287,9 +290,10 @@ class Planner:
             self.writer.write_steps(figures)
         if self.allocator is not None:
             current = self.allocator.shares
-            for step, ended in zip(figures, [ended for ended, ok in zip(pending, known) if ok]):
+            periods = [[row.period_s[i] for row in rows] for i in range(len(pending)) if known[i]]
+            for step, ended, period_s in zip(figures, [ended for ended, ok in zip(pending, known) if ok], periods):
                 if list(ended.ticket.cut_by) == current:
-                    self.allocator.measure(step.compute_s, step.wait_s)
+                    self.allocator.measure(step.compute_s, step.wait_s, period_s)
 
     def _plan(self, horizon: int, epoch_end: bool) -> None:
         allocator = self.allocator

@@ -15,22 +15,25 @@ def test_a_row_reads_back_as_it_was_gathered(steps, data):
     row = FiguresRow(horizon=data.draw(st.integers(0, 10**6)),
                      compute_s=data.draw(st.lists(seconds, min_size=steps, max_size=steps)),
                      wait_s=data.draw(st.lists(seconds, min_size=steps, max_size=steps)),
+                     period_s=data.draw(st.lists(seconds, min_size=steps, max_size=steps)),
                      samples=data.draw(st.lists(st.integers(0, 10**5), min_size=steps, max_size=steps)),
                      extra=data.draw(st.lists(seconds, max_size=6)))
     values = row.values()
-    assert len(values) == 1 + 3 * steps + len(row.extra)
+    assert len(values) == 1 + 4 * steps + len(row.extra)
     assert FiguresRow.of(values, steps) == row
 
 
 def test_the_fields_keep_their_places_in_the_row():
-    row = FiguresRow(horizon=7, compute_s=[0.5, 0.25], wait_s=[0.125, 0.0], samples=[3, 5], extra=[9.0])
-    assert row.values() == [7.0, 0.5, 0.25, 0.125, 0.0, 3.0, 5.0, 9.0]
+    row = FiguresRow(horizon=7, compute_s=[0.5, 0.25], wait_s=[0.125, 0.0], period_s=[0.75, 0.625], samples=[3, 5],
+                     extra=[9.0])
+    assert row.values() == [7.0, 0.5, 0.25, 0.125, 0.0, 0.75, 0.625, 3.0, 5.0, 9.0]
 
 
 class OnDevice:
     """A step's times whose CUDA events never complete: reading them would wait for the device."""
 
     completed = False
+    period_s = 0.0  # a host figure, known at once
 
     @property
     def compute_s(self) -> float:
@@ -45,7 +48,7 @@ class Done:
     completed = True
 
     def __init__(self, compute_s: float) -> None:
-        self.compute_s, self.wait_s = compute_s, 0.0
+        self.compute_s, self.wait_s, self.period_s = compute_s, 0.0, compute_s
 
 
 def test_no_step_waits_on_the_device_for_its_figures_and_they_go_out_once_complete(one_rank, tmp_path):
