@@ -1,4 +1,5 @@
-"""The step clock: compute and wait per step, two backwards a step, and no device synchronization unless pacing."""
+"""The step clock: compute, wait and period per step, two backwards a step, and no device synchronization unless
+pacing."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def test_a_step_times_its_compute_and_its_wait_without_synchronizing_the_device(
     times = _step(clock, fake_time, [(0.3, 0.2)])
     assert times.compute_s == pytest.approx(0.3) and times.wait_s == pytest.approx(0.2)
     assert device_syncs == []
+
+
+def test_a_step_s_period_runs_from_the_previous_step_s_start_and_is_unknown_after_the_ranks_met(fake_time):
+    clock = StepClock(torch.device("cpu"), Emulation().pacer(0, 2))
+    first = _step(clock, fake_time, [(0.3, 0.2)])
+    fake_time.now += 0.1  # the optimizer's step and the loop's own work: neither compute nor wait
+    second = _step(clock, fake_time, [(0.3, 0.2)])
+    assert first.period_s == 0.0 and second.period_s == pytest.approx(0.6)
+    clock.restart()  # an epoch's end: the meeting is no part of a step
+    fake_time.now += 5.0
+    assert _step(clock, fake_time, [(0.3, 0.2)]).period_s == 0.0
 
 
 def test_the_wait_that_ends_a_first_backward_is_not_compute_of_the_second(fake_time, device_syncs):
