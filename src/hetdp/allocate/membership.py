@@ -73,6 +73,9 @@ class Membership:
     """Predicted seconds per step with ``members``."""
     sat_out: dict[int, str] = field(default_factory=dict)
     """Rank -> why it sits out (what its compute would save against what its exchange adds)."""
+    by_overhead: bool = False
+    """Whether only the charge for the step's work beyond compute and exchange chose ``members`` (a tie for the
+    model): a change made so must measure its gain."""
 
 
 def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, float], total: int,
@@ -129,17 +132,17 @@ def choose_members(sample_s: Sequence[float | None], measured: Mapping[int, floa
     margin = max(gain, NOISE_MARGIN * noise)
     groups = [known[:k] for k in range(1, len(known) + 1)]
     best = min(groups, key=modelled)
-    chosen = sorted(current)
+    chosen, by_overhead = sorted(current), False
     if sorted(best) != chosen and modelled(best) <= (1.0 - margin) * modelled(current):
         chosen = sorted(best)
     elif overhead_s > 0:  # the charge decides among the groups the model cannot tell from today's
         ties = [group for group in groups if modelled(group) <= (1.0 + margin) * modelled(current)]
         best = min(ties, key=priced)
         if sorted(best) != chosen and priced(best) <= (1.0 - margin) * priced(current):
-            chosen = sorted(best)
+            chosen, by_overhead = sorted(best), True
     return Membership(tuple(chosen), priced(chosen),
                       {rank: why_out(rank, chosen, speeds, total, measured, minimum, overhead_s)
-                       for rank in range(len(speeds)) if rank not in chosen})
+                       for rank in range(len(speeds)) if rank not in chosen}, by_overhead)
 
 
 def why_out(rank: int, members: Sequence[int], sample_s: Sequence[float], total: int,

@@ -472,10 +472,8 @@ class Allocator:
             return False
         if self.caps is not None and not self._fits(decision.members):
             return False  # the members' memory caps could not hold a step: nobody leaves
-        modelled = choose_members(self.sample_s, self.exchange_s, self.total, self.members, noise=noise,
-                                  minimum=self.minimum)
         self._trial = None if now_s is None else _Trial(list(self.members), now_s, dict(self.sat_out),
-                                                        list(self.sample_s), modelled.members != decision.members)
+                                                        list(self.sample_s), decision.by_overhead)
         self._switch(decision.members, decision.sat_out)
         return True
 

@@ -27,11 +27,11 @@ class StepTimes:
     def __init__(self, start: Mark | None, backwards: list[list[Mark]], period_s: float = 0.0) -> None:
         self._start = start
         self._backwards = backwards
+        """Per backward of the step: [ready] or [ready, synced] (its last bucket ready; its gradients combined)."""
         self.period_s = period_s
         """Host seconds from the rank's previous step's start to this one's: the whole turn of a step, the optimizer,
         the loop's own work and contention for shared cores included, which compute and wait leave out (0: unknown,
         the first step, or the first after the ranks met outside a step)."""
-        """Per backward of the step: [ready] or [ready, synced] (its last bucket ready; its gradients combined)."""
         self._figures: tuple[float, float] | None = None if start is not None else (0.0, 0.0)
 
     @property
@@ -115,6 +115,7 @@ class StepClock:
         self._previous_start: float | None = None
         """The host's clock at the previous step's ``start`` (None: none since the ranks last met outside a step)."""
         self._period_s = 0.0
+        """The started step's period (``StepTimes.period_s``)."""
         self._backwards: list[list[Mark]] = []
         self._closed = False
         """A bucket came after the last backward's last one: that backward's wait is over (another began)."""
