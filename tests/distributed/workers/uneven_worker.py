@@ -1,5 +1,6 @@
-"""Worker for tests/distributed/test_uneven.py: ``hetdp.fully_shard`` with memory-sized shards in a user's own FSDP2
-loop, one scenario per item of ``--scenarios``; rank 0 saves what the test checks.
+"""Worker for tests/distributed/test_sharded.py: ``hetdp.fully_shard`` with memory-sized shards in a user's own FSDP2
+loop, one scenario per item of ``--scenarios``; rank 0 saves what the test checks. First, in the same launch,
+``sharded_worker``'s scenarios named by ``--even-scenarios`` (torch's even shards), their files in ``OUT/even``.
 
 Each scenario sets the emulated devices' memories the way ``hetdp run --devices`` does (its environment) before the
 model is sharded: memories 1, 1, 2, 4 MB unless it says otherwise. The model, data and loop are
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import sharded_worker
 from sharded_worker import (
     global_batches,
     loader_for,
@@ -259,15 +261,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenarios", required=True)
+    parser.add_argument("--even-scenarios", default="")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     hetdp.init_distributed("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for scenario in args.scenarios.split(","):
-        record = run(scenario, args.out, rank)
-        if rank == 0:
-            (args.out / f"{scenario}.json").write_text(json.dumps(record))
+    even = args.out / "even"
+    even.mkdir(exist_ok=True)
+    for folder, scenario_of, scenarios in ((even, sharded_worker.run, args.even_scenarios),
+                                           (args.out, run, args.scenarios)):
+        for scenario in filter(None, scenarios.split(",")):
+            record = scenario_of(scenario, folder, rank)
+            if rank == 0:
+                (folder / f"{scenario}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
