@@ -35,7 +35,7 @@ SIZE, BATCH, SEED = 66, 4, 3
 global batch of 16 on any number of ranks; those of the caps take ``BATCH`` a rank, as a DataLoader's batch_size."""
 GLOBAL_BATCH = 16
 ADAPTIVE_SIZE = 640
-"""Two epochs of 10 steps of 64 samples (16 a rank): room for the shares to settle."""
+"""Two epochs of 10 steps of 64 samples (set on 3 ranks): room for the shares to settle."""
 
 
 class Block(nn.Module):
@@ -218,10 +218,10 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "caps":
         record.update(caps_scenario())
     elif scenario == "adaptive":
-        # The emulation of `hetdp run --speeds 1,1,2,4 --sample-cost-ms ...` (the test's environment) reaches the
+        # The emulation of `hetdp run --speeds 1,2,5 --sample-cost-ms ...` (the test's environment) reaches the
         # drop-in with no code, and the adaptive shares follow the emulated speeds.
         model = shard(make_model())
-        loader = model.allocate(loader_for(sequences(ADAPTIVE_SIZE), batch=16))
+        loader = model.allocate(loader_for(sequences(ADAPTIVE_SIZE), batch=16), global_batch=64)
         train(model, loader, make_optimizer(model, "sgd"), 2, schedule=False)
         record.update(shares=model.shares, speeds=list(model.drop_in.emulation.speeds or ()),
                       replans=[report.replans for report in model.epoch_reports],
@@ -229,9 +229,9 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         model.close()
     elif scenario == "memory_bound":
         # The fastest rank's memory caps its share below what its speed would take: the diagnosis says so.
-        devices = (DeviceModel(),) * 3 + (DeviceModel(memory_mb=0.34, activation_mb_per_sample=0.1),)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 1.0, 4.0)),
-                      emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 4.0), sample_cost_ms=20.0, devices=devices))
+        devices = (DeviceModel(),) * 2 + (DeviceModel(memory_mb=0.34, activation_mb_per_sample=0.1),)
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 4.0)),
+                      emulation=hetdp.Emulation(speeds=(1.0, 1.0, 4.0), sample_cost_ms=20.0, devices=devices))
         loader = model.allocate(loader_for(sequences()))
         train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         record.update(shares=model.shares, caps=model.allocator.caps, diagnosis=model.last_epoch.diagnosis())
