@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def test_accumulated_shares_stay_uncapped_and_each_micro_batch_under_the_emulate
         assert steps["memory_warnings"] == []  # no forward above its rank's emulated memory
 
 
-def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path):
+def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path, hetdp_run):
     table = tmp_path / "devices.toml"
     table.write_text(
         '[[devices]]\nname = "big"\nbatch_size = 8\nbatch_time_s = 0.004\n'
@@ -88,8 +87,7 @@ def test_hetdp_run_devices_reaches_a_drop_in_script_and_caps_its_shares(tmp_path
         "fixed_memory_mb = 100\nactivation_mb_per_sample = 150\nstep_overhead_ms = 2\n"
     )
     script = Path(__file__).parent / "workers" / "devices_script.py"
-    command = [sys.executable, "-m", "hetdp.cli", "run", "-n", "2", "--devices", str(table), str(script)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    completed = hetdp_run("-n", 2, "--devices", table, script)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "rank 0: caps [None, 6]" in completed.stdout and "rank 1: caps [None, 6]" in completed.stdout
     schedule = json.loads(completed.stdout.split("rank 0:")[1].split("schedule ")[1].splitlines()[0])

@@ -42,8 +42,8 @@ def launch(tmp_path, nproc: int, name: str, *args: object, max_restarts: int = 0
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The final parameters of an uninterrupted run."""
-    completed, out = launch(tmp_path_factory.mktemp("reference"), 3, "reference")
+    """The final parameters of an uninterrupted run (2 ranks, as the faulted one)."""
+    completed, out = launch(tmp_path_factory.mktemp("reference"), 2, "reference")
     assert completed.returncode == 0, completed.stdout
     return torch.load(out)
 
@@ -107,14 +107,14 @@ def ranks_of(log_path) -> list[set[int]]:
 
 def test_a_killed_worker_and_later_a_hung_one_are_restarted_and_end_where_an_uninterrupted_run_ends(tmp_path,
                                                                                                      reference):
-    # One launch, two faults: rank 1 is killed after step 8 of the first attempt, and rank 2 stopped after step 14 of
-    # the second (the restart), which resumed from the checkpoint at step 6. A stopped worker hangs the group: the
-    # survivors time out on it (6 s), and the launcher kills the group. 3 s timed out once on a restarted launch under
+    # One launch of 2 ranks, two faults: rank 1 is killed after step 8 of the first attempt, and stopped after step 14
+    # of the second (the restart), which resumed from the checkpoint at step 6. A stopped worker hangs the group: the
+    # survivor times out on it (6 s), and the launcher kills the group. 3 s timed out once on a restarted launch under
     # the suite's load (a send of 3 s on 2 cores), with nobody stopped. Each failure must redo at most the steps
     # since its last checkpoint, and the parameters (with dropout, whose draws each rank's state brings back) must be
     # the uninterrupted run's.
     restarts: list[int] = []
-    faulted, faulted_out = launch(tmp_path, 3, "faulted", "--die-at", "8,14", "--die-rank", "1,2",
+    faulted, faulted_out = launch(tmp_path, 2, "faulted", "--die-at", "8,14", "--die-rank", "1,1",
                                   "--signal", "KILL,STOP", "--step-timeout", 6, max_restarts=2, restarts=restarts)
     assert faulted.returncode == 0, faulted.stdout
     assert restarts == [1, 2]

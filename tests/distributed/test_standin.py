@@ -17,7 +17,7 @@ sys.path.insert(0, str(WORKERS))
 from standin_worker import BATCH, EPOCHS, SEED, SIZE, dataset, loss_of, make  # noqa: E402
 from torch_order import epoch_order  # noqa: E402
 
-RANKS = 4
+RANKS = 3
 SCENARIOS = ("aux_ddp", "aux_sitout", "moe_ddp", "aux_sharded", "moe_sharded")
 
 pytestmark = pytest.mark.timeout(600)
@@ -90,7 +90,7 @@ def test_a_train_only_output_trains_through_ddp_at_a_short_last_step_as_one_proc
     for record in ranks:
         assert_parameters(record["state"], model)
     # torch DDP broadcasts rank 0's buffers at each forward: they count rank 0's real samples only, and a
-    # stand-in (ranks 0 to 2 at each last step, two samples each: BatchNorm trains) left every rank's unchanged.
+    # stand-in (ranks 0 and 1 at each last step, two samples each: BatchNorm trains) left every rank's unchanged.
     assert_buffers(ranks[0]["state"], buffers)
     stand_ins = [rank for rank, samples in enumerate(ranks[0]["blocks"][-1]) if samples == 0]
     assert stand_ins

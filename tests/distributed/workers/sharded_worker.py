@@ -31,9 +31,11 @@ from torch_order import global_batches as torch_global_batches
 
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 2, 2, 8
 SIZE, BATCH, SEED = 66, 4, 3
-"""66 samples in steps of 16 (4 ranks x 4): four full steps and one of 2, where two ranks run stand-ins."""
+"""66 samples in steps of 16: four full steps and one of 2. The scenarios that compare with one process set the
+global batch of 16 on any number of ranks; those of the caps take ``BATCH`` a rank, as a DataLoader's batch_size."""
+GLOBAL_BATCH = 16
 ADAPTIVE_SIZE = 640
-"""Two epochs of 10 steps of 64 samples (16 a rank): room for the shares to settle."""
+"""Two epochs of 10 steps of 64 samples (set on 3 ranks): room for the shares to settle."""
 
 
 class Block(nn.Module):
@@ -155,11 +157,11 @@ def one_rank_mesh() -> DeviceMesh:
 def run(scenario: str, out: Path, rank: int) -> dict:
     record: dict = {}
     if scenario == "exact":
-        # A rank with no share (stand-ins every step), a last step of 2 samples for 4 ranks, AdamW state sharded,
+        # A rank with no share (stand-ins every step), a last step of 2 samples for 3 ranks, AdamW state sharded,
         # clipping on the sharded parameters, a per-step schedule; both settings of reshard_after_forward.
         for reshard in (True, False):
-            model = shard(make_model(), allocation=hetdp.Static((0.0, 1.0, 2.0, 5.0)), reshard_after_forward=reshard)
-            loader = model.allocate(loader_for(sequences()))
+            model = shard(make_model(), allocation=hetdp.Static((0.0, 1.0, 3.0)), reshard_after_forward=reshard)
+            loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
             optimizer = make_optimizer(model, "adamw")
             record[f"blocks_{reshard}"] = train(model, loader, optimizer, 2)
             record[f"shares_{reshard}"] = model.shares
@@ -172,13 +174,13 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             model.close()
     elif scenario == "accumulate":
         # Windows of two batches with the gradients' reduction off for the first; the shares change inside the first
-        # window, and the epoch's last step (two ranks on stand-ins) opens a window that runs into the next epoch.
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-        loader = model.allocate(loader_for(sequences()))
+        # window, and the epoch's last step (a rank on a stand-in) opens a window that runs into the next epoch.
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)))
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
 
         def change_shares(model, epoch, index):
             if epoch == 0 and index == 0:
-                model.set_shares([4, 2, 6, 4], at_step=1)
+                model.set_shares([4, 2, 10], at_step=1)
 
         record["blocks"] = train(model, loader, make_optimizer(model, "adamw"), 2, every=2, on_step=change_shares)
         state = full_state(model)
@@ -190,8 +192,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         # and beside it the same one rank trained with plain FSDP2's weighting of these shares (the error the test's
         # bound is derived from).
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)), mp_policy=policy)
-        loader = model.allocate(loader_for(sequences()))
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)), mp_policy=policy)
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         record["blocks"] = blocks = train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         state = full_state(model)
         model.close()
@@ -216,10 +218,10 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "caps":
         record.update(caps_scenario())
     elif scenario == "adaptive":
-        # The emulation of `hetdp run --speeds 1,1,2,4 --sample-cost-ms ...` (the test's environment) reaches the
+        # The emulation of `hetdp run --speeds 1,2,5 --sample-cost-ms ...` (the test's environment) reaches the
         # drop-in with no code, and the adaptive shares follow the emulated speeds.
         model = shard(make_model())
-        loader = model.allocate(loader_for(sequences(ADAPTIVE_SIZE), batch=16))
+        loader = model.allocate(loader_for(sequences(ADAPTIVE_SIZE), batch=16), global_batch=64)
         train(model, loader, make_optimizer(model, "sgd"), 2, schedule=False)
         record.update(shares=model.shares, speeds=list(model.drop_in.emulation.speeds or ()),
                       replans=[report.replans for report in model.epoch_reports],
@@ -227,9 +229,9 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         model.close()
     elif scenario == "memory_bound":
         # The fastest rank's memory caps its share below what its speed would take: the diagnosis says so.
-        devices = (DeviceModel(),) * 3 + (DeviceModel(memory_mb=0.34, activation_mb_per_sample=0.1),)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 1.0, 4.0)),
-                      emulation=hetdp.Emulation(speeds=(1.0, 1.0, 1.0, 4.0), sample_cost_ms=20.0, devices=devices))
+        devices = (DeviceModel(),) * 2 + (DeviceModel(memory_mb=0.34, activation_mb_per_sample=0.1),)
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 4.0)),
+                      emulation=hetdp.Emulation(speeds=(1.0, 1.0, 4.0), sample_cost_ms=20.0, devices=devices))
         loader = model.allocate(loader_for(sequences()))
         train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         record.update(shares=model.shares, caps=model.allocator.caps, diagnosis=model.last_epoch.diagnosis())
@@ -295,8 +297,8 @@ def caps_scenario() -> dict:
     plain = make_model()
     slope = _plain_activation_bytes(plain)
     record["plain_per_sample_bytes"] = slope
-    for name, memory_mb, activation_mb in (("given", 0.34, 0.1), ("probed", 0.145, 0.0), ("too_small", 0.02, 0.0)):
-        devices = (DeviceModel(),) * 3 + (DeviceModel(memory_mb=memory_mb, activation_mb_per_sample=activation_mb),)
+    for name, memory_mb, activation_mb in (("given", 0.34, 0.1), ("probed", 0.16, 0.0), ("too_small", 0.02, 0.0)):
+        devices = (DeviceModel(),) * 2 + (DeviceModel(memory_mb=memory_mb, activation_mb_per_sample=activation_mb),)
         model = shard(make_model(), allocation="equal",
                       emulation=hetdp.Emulation(sample_cost_ms=0.01, devices=devices))
         try:

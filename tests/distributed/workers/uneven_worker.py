@@ -1,8 +1,9 @@
-"""Worker for tests/distributed/test_uneven.py: ``hetdp.fully_shard`` with memory-sized shards in a user's own FSDP2
-loop, one scenario per item of ``--scenarios``; rank 0 saves what the test checks.
+"""Worker for tests/distributed/test_sharded.py: ``hetdp.fully_shard`` with memory-sized shards in a user's own FSDP2
+loop, one scenario per item of ``--scenarios``; rank 0 saves what the test checks. First, in the same launch,
+``sharded_worker``'s scenarios named by ``--even-scenarios`` (torch's even shards), their files in ``OUT/even``.
 
 Each scenario sets the emulated devices' memories the way ``hetdp run --devices`` does (its environment) before the
-model is sharded: memories 1, 1, 2, 4 MB unless it says otherwise. The model, data and loop are
+model is sharded: memories 1, 1, 2 MB unless it says otherwise (3 ranks). The model, data and loop are
 ``sharded_worker``'s, so that the one-process references of test_sharded.py hold here too.
 """
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import sharded_worker
 from sharded_worker import (
+    GLOBAL_BATCH,
     global_batches,
     loader_for,
     loss_of,
@@ -39,7 +42,7 @@ from hetdp.cluster.emulate import ENV_DEVICES, Emulation
 from hetdp.fsdp.rowshard import full_tensor
 from hetdp.fsdp.uneven import UnevenModule
 
-MEMORIES_MB = (1.0, 1.0, 2.0, 4.0)
+MEMORIES_MB = (1.0, 1.0, 2.0)
 
 
 def set_memories(memories_mb: tuple[float, ...] | None, activation_mb: float = 0.0) -> None:
@@ -82,8 +85,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         # parameters, a per-step schedule; both settings of reshard_after_forward.
         set_memories(MEMORIES_MB)
         for reshard in (True, False):
-            model = shard(make_model(), allocation=hetdp.Static((0.0, 1.0, 2.0, 5.0)), reshard_after_forward=reshard)
-            loader = model.allocate(loader_for(sequences()))
+            model = shard(make_model(), allocation=hetdp.Static((0.0, 1.0, 3.0)), reshard_after_forward=reshard)
+            loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
             optimizer = make_optimizer(model, "adamw")
             record[f"blocks_{reshard}"] = train(model, loader, optimizer, 2)
             record[f"layout_{reshard}"] = every_rank(layout(model, optimizer))
@@ -96,8 +99,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         set_memories(MEMORIES_MB)
         model = make_model()
         model.forward = lambda tokens: _checkpointed_forward(model, tokens)
-        model = shard(model, allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-        loader = model.allocate(loader_for(sequences()))
+        model = shard(model, allocation=hetdp.Static(MEMORIES_MB))
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(model, loader, make_optimizer(model, "adamw"), 2)
         state = whole(model)
         if rank == 0:
@@ -106,8 +109,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "compiled":
         # torch.compile of the sharded model (aot_eager: dynamo and AOT autograd without a C++ toolchain's time).
         set_memories(MEMORIES_MB)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-        loader = model.allocate(loader_for(sequences()))
+        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(torch.compile(model, backend="aot_eager"), loader, make_optimizer(model, "adamw"), 1)
         state = whole(model)
         if rank == 0:
@@ -115,12 +118,12 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         model.close()
     elif scenario == "accumulate":
         set_memories(MEMORIES_MB)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-        loader = model.allocate(loader_for(sequences()))
+        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
 
         def change_shares(model, epoch, index):
             if epoch == 0 and index == 0:
-                model.set_shares([4, 2, 6, 4], at_step=1)
+                model.set_shares([4, 2, 10], at_step=1)
 
         record["blocks"] = train(model, loader, make_optimizer(model, "adamw"), 2, every=2, on_step=change_shares)
         state = whole(model)
@@ -130,9 +133,9 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "mixed":
         set_memories(MEMORIES_MB)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)), mp_policy=policy)
+        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB), mp_policy=policy)
         record["uneven"] = every_rank(isinstance(model, UnevenModule))
-        loader = model.allocate(loader_for(sequences()))
+        loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
         state = whole(model)
         model.close()
@@ -152,7 +155,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             torch.save({"hetdp": state, "reference": whole(reference)}, out / "mixed.pt")
     elif scenario == "caps":
         # Memory caps computed after the uneven shard is placed: each rank's from what it holds.
-        set_memories((0.3, 0.3, 0.6, 1.2), activation_mb=0.05)
+        set_memories((0.3, 0.3, 1.2), activation_mb=0.05)
         model = shard(make_model(), allocation="equal")
         model.allocate(loader_for(sequences(), batch=8))
         held = model.drop_in.footprint
@@ -161,7 +164,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         model.close()
     elif scenario == "too_small":
         # The last device cannot hold a block whole beside its part of the state.
-        set_memories((1.0, 1.0, 2.0, 0.02))
+        set_memories((1.0, 1.0, 0.02))
         errors = []
         try:
             shard(make_model(), allocation="equal")
@@ -192,7 +195,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             record["after_allocate"] = str(error)
         model.close()
         # Equal memories, or shard_sizes="even": torch's own FSDP2 units; a model mixing both is one error.
-        set_memories((2.0, 2.0, 2.0, 2.0))
+        set_memories((2.0, 2.0, 2.0))
         record["equal_is_fsdp2"] = isinstance(shard(make_model()), FSDPModule)
         set_memories(MEMORIES_MB)
         even = make_model()
@@ -229,8 +232,8 @@ def checkpoints_scenario(out: Path, rank: int) -> dict:
         rows = []
         for epochs, memories in ((range(0, 1), first), (range(1, 2), then)):
             set_memories(memories)
-            model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-            loader = model.allocate(loader_for(sequences()))
+            model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+            loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
             optimizer = make_optimizer(model, "adamw")
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=2 * len(loader))
             ckpt = model.checkpointer(folder, optimizer, scheduler=scheduler, every=len(loader))
@@ -259,15 +262,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenarios", required=True)
+    parser.add_argument("--even-scenarios", default="")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     hetdp.init_distributed("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for scenario in args.scenarios.split(","):
-        record = run(scenario, args.out, rank)
-        if rank == 0:
-            (args.out / f"{scenario}.json").write_text(json.dumps(record))
+    even = args.out / "even"
+    even.mkdir(exist_ok=True)
+    for folder, scenario_of, scenarios in ((even, sharded_worker.run, args.even_scenarios),
+                                           (args.out, run, args.scenarios)):
+        for scenario in filter(None, scenarios.split(",")):
+            record = scenario_of(scenario, folder, rank)
+            if rank == 0:
+                (folder / f"{scenario}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
