@@ -3,14 +3,12 @@ shares, the parameters are those of one process on the same global batches; memo
 
 Then memory-sized shards (emulated memories of 1, 1 and 2 MB): each rank holds rows of every parameter in
 proportion to its memory, and whatever the shares the parameters are those of one process on the same global
-batches; caps after placement; a device too small for any shard; checkpoints onto even shards and back; a killed
-rank restarted and a resume on fewer ranks, on even shards and memory-sized ones. One launch runs the scenarios of
-both on 3 ranks, torch's even shards first (``uneven_worker.py --even-scenarios``)."""
+batches; caps after placement; a device too small for any shard; checkpoints onto even shards and back (a killed rank
+and a resume on fewer ranks: ``test_sharded_resume.py``). One launch runs the scenarios of both on 3 ranks, torch's
+even shards first (``uneven_worker.py --even-scenarios``)."""
 
 from __future__ import annotations
 
-import collections
-import functools
 import json
 import math
 import re
@@ -21,17 +19,14 @@ import pytest
 import torch
 
 from hetdp.cluster.emulate import Emulation
-from hetdp.launch import run_local
 
 from .conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
-from sharded_worker import BATCH, CRAFTED_CLASS, global_batches, loss_of, make_model, make_optimizer  # noqa: E402
+from sharded_worker import BATCH, CRAFTED_CLASS, assert_as_one_process, reference  # noqa: E402
 from uneven_worker import MEMORIES_MB  # noqa: E402
 
 RANKS = 3
-STEPS_PER_EPOCH = 5
-"""66 samples in steps of 16: four full ones and one of 2."""
 MIS_WEIGHTING_FRACTION = 16
 """The mixed-precision test fails on a weighting off by this fraction of plain FSDP2's 1/W (or more)."""
 
@@ -54,30 +49,6 @@ def even(out) -> Path:
 
 def record(out: Path, scenario: str) -> dict:
     return json.loads((out / f"{scenario}.json").read_text())
-
-
-@functools.cache
-def reference(epochs: int, kind: str = "adamw", every: int = 1, schedule: bool = True) -> dict[str, torch.Tensor]:
-    """One process on the union of the ranks' batches: the mean loss over each global batch, ``every`` global
-    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does), clipped at 0.5."""
-    model = make_model()
-    optimizer = make_optimizer(model, kind)
-    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=epochs * STEPS_PER_EPOCH)
-                 if schedule else None)
-    for index, tokens in enumerate(global_batches(epochs)):
-        (loss_of(model, tokens) / every).backward()
-        if (index % STEPS_PER_EPOCH + 1) % every == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
-            if scheduler is not None:
-                scheduler.step()
-    return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def assert_as_one_process(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-5):
-    for name, tensor in expected.items():
-        torch.testing.assert_close(state[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -286,37 +257,3 @@ def test_equal_memories_and_shard_sizes_even_keep_torch_s_fsdp2_and_a_model_mixi
     assert figures["equal_is_fsdp2"] and figures["even_is_fsdp2"]
     assert figures["mixed"] == ("UnevenBlock has memory-sized shards and TinyLM would get torch's even ones: give "
                                 "every fully_shard call of a model the same shard_sizes"), figures["mixed"]
-
-
-def test_a_killed_rank_resumes_under_restarts_on_even_and_uneven_shards_and_fewer_ranks_reshard_them_exactly(
-        tmp_path):
-    # One chain of launches over 3 epochs (15 steps), every rank saving every 2 steps, each launch on fewer ranks than
-    # the last: 3 ranks on torch's even shards, rank 1 killed in step 3 and the launch restarted from the save at
-    # step 2, stopped after step 5; 2 ranks of 1 and 3 MB resume it (DCP reshards the model and AdamW's state from
-    # even shards onto memory-sized ones), rank 1 killed in step 9 and restarted from the save at step 8, stopped
-    # after step 11; one rank resumes that and ends the run (memory-sized shards onto one).
-    restarts: list[int] = []
-    args = ["--ckpt", tmp_path / "ckpt", "--record", tmp_path / "steps.log", "--out", tmp_path / "final.pt",
-            "--epochs", 3]
-    for ranks, options in ((3, ["--die-at", 3, "--stop-at", 6]), (2, ["--memories", "1,3", "--die-at", 9,
-                                                                     "--stop-at", 12]), (1, [])):
-        completed = run_local(WORKERS / "sharded_resume_worker.py", ranks, [*map(str, args), *map(str, options)],
-                              capture=True, timeout_s=300, max_restarts=1 if options else 0, report_errors=True,
-                              on_restart=lambda attempt, code: restarts.append(attempt))
-        assert completed.returncode == 0, completed.stdout
-    assert restarts == [1, 1]
-    steps: dict[str, set[int]] = collections.defaultdict(set)
-    ranks: dict[str, set[int]] = collections.defaultdict(set)
-    for line in (tmp_path / "steps.log").read_text().splitlines():
-        launch, step, rank = line.split()
-        steps[launch].add(int(step))
-        ranks[launch].add(int(rank))
-    # In the order the launches ran: each killed one, its restart (two steps redone), then the last.
-    assert [(min(each), max(each)) for each in steps.values()] == [(0, 3), (2, 5), (6, 9), (8, 11),
-                                                                   (12, 3 * STEPS_PER_EPOCH - 1)]
-    assert list(ranks.values()) == [{0, 1, 2}] * 2 + [{0, 1}] * 2 + [{0}]
-    held = [json.loads(line) for line in (tmp_path / "final.pt.rows").read_text().splitlines()]
-    assert [launch["uneven"] for launch in held] == [False, True, False]  # one rank holds everything: torch's path
-    elements = held[1]["elements"]  # the 2 ranks of 1 and 3 MB
-    assert abs(elements[0] / sum(elements) - 0.25) < 0.02, elements
-    assert_as_one_process(torch.load(tmp_path / "final.pt"), reference(3))

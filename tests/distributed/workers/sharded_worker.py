@@ -9,6 +9,7 @@ block, then on the root.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pickle
 import struct
@@ -34,6 +35,8 @@ SIZE, BATCH, SEED = 66, 4, 3
 """66 samples in steps of 16: four full steps and one of 2. The scenarios that compare with one process set the
 global batch of 16 on any number of ranks; those of the caps take ``BATCH`` a rank, as a DataLoader's batch_size."""
 GLOBAL_BATCH = 16
+STEPS_PER_EPOCH = 5
+"""Steps of ``GLOBAL_BATCH`` in an epoch of ``SIZE`` samples."""
 ADAPTIVE_SIZE = 640
 """Two epochs of 10 steps of 64 samples (set on 3 ranks): room for the shares to settle."""
 
@@ -288,6 +291,30 @@ def global_batches(epochs: int, size: int = SIZE, global_batch: int = 16):
     for epoch in range(epochs):
         for index in torch_global_batches(size, global_batch, SEED, epoch):
             yield data[index]
+
+
+@functools.cache
+def reference(epochs: int, kind: str = "adamw", every: int = 1, schedule: bool = True) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches: the mean loss over each global batch, ``every`` global
+    batches accumulated per optimizer step (counted within each epoch, as the ranks' loop does), clipped at 0.5."""
+    model = make_model()
+    optimizer = make_optimizer(model, kind)
+    scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=epochs * STEPS_PER_EPOCH)
+                 if schedule else None)
+    for index, tokens in enumerate(global_batches(epochs)):
+        (loss_of(model, tokens) / every).backward()
+        if (index % STEPS_PER_EPOCH + 1) % every == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def assert_as_one_process(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-5):
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 def caps_scenario() -> dict:
