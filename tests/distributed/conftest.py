@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -59,21 +59,7 @@ def hetdp_run(capfd) -> HetdpRun:
     return run
 
 
-LONGEST_FIRST = ("test_sharded.py", "test_sharded_resume.py", "test_faults.py", "test_liveness.py", "test_launch.py",
-                 "test_loops.py", "test_run_cli.py", "test_hosts.py", "test_ray.py")
-"""The files whose tests run longest (their launches' wall seconds in the suite's parallel pass), longest first. Under
-``--dist loadfile`` a file runs whole on one worker, the files handed out in the order collected: one of these
-handed out last would keep its worker busy long after the others ran out of files."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: Sequence[pytest.Item]) -> None:
     for item in items:
         if "distributed" in str(item.fspath):
             item.add_marker(pytest.mark.distributed)
-    items.sort(key=_order)  # stable: a file's tests keep their order, and so do the other files
-
-
-def _order(item: pytest.Item) -> int:
-    """Where ``item``'s file is handed out: one of ``LONGEST_FIRST`` at its place, any other file after them."""
-    here = item.path.parent == Path(__file__).parent
-    return LONGEST_FIRST.index(item.path.name) if here and item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
