@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_sharded.py's faults: the sharded drop-in with step checkpoints through
+"""Worker for tests/distributed/test_sharded_resume.py: the sharded drop-in with step checkpoints through
 torch.distributed.checkpoint, on torch's even shards or memory-sized ones (``--memories``, MB per rank, as
 ``hetdp run --devices`` gives them), killed once and restarted, stopped, then resumed on fewer ranks of another
 layout.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import pickle
 import struct
 import warnings
@@ -35,7 +36,7 @@ SIZE, BATCH, SEED = 66, 4, 3
 """66 samples in steps of 16: four full steps and one of 2. The scenarios that compare with one process set the
 global batch of 16 on any number of ranks; those of the caps take ``BATCH`` a rank, as a DataLoader's batch_size."""
 GLOBAL_BATCH = 16
-STEPS_PER_EPOCH = 5
+STEPS_PER_EPOCH = math.ceil(SIZE / GLOBAL_BATCH)
 """Steps of ``GLOBAL_BATCH`` in an epoch of ``SIZE`` samples."""
 ADAPTIVE_SIZE = 640
 """Two epochs of 10 steps of 64 samples (set on 3 ranks): room for the shares to settle."""
@@ -285,7 +286,7 @@ def loss_of_rank_means(model: nn.Module, tokens: torch.Tensor, block: list[int])
     return torch.stack([loss_of(model, part) for part in parts]).sum() / len(block)
 
 
-def global_batches(epochs: int, size: int = SIZE, global_batch: int = 16):
+def global_batches(epochs: int, size: int = SIZE, global_batch: int = GLOBAL_BATCH):
     """The steps' global batches in the order of the ranks' ``DistributedSampler(seed=SEED)``, drawn by torch."""
     data = sequences(size).tensors[0]
     for epoch in range(epochs):

@@ -99,7 +99,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         set_memories(MEMORIES_MB)
         model = make_model()
         model.forward = lambda tokens: _checkpointed_forward(model, tokens)
-        model = shard(model, allocation=hetdp.Static(MEMORIES_MB))
+        model = shard(model, allocation=hetdp.Static((1.0, 1.0, 2.0)))
         loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(model, loader, make_optimizer(model, "adamw"), 2)
         state = whole(model)
@@ -109,7 +109,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "compiled":
         # torch.compile of the sharded model (aot_eager: dynamo and AOT autograd without a C++ toolchain's time).
         set_memories(MEMORIES_MB)
-        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)))
         loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(torch.compile(model, backend="aot_eager"), loader, make_optimizer(model, "adamw"), 1)
         state = whole(model)
@@ -118,7 +118,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
         model.close()
     elif scenario == "accumulate":
         set_memories(MEMORIES_MB)
-        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)))
         loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
 
         def change_shares(model, epoch, index):
@@ -133,7 +133,7 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "mixed":
         set_memories(MEMORIES_MB)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB), mp_policy=policy)
+        model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)), mp_policy=policy)
         record["uneven"] = every_rank(isinstance(model, UnevenModule))
         loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
         train(model, loader, make_optimizer(model, "sgd"), 1, schedule=False)
@@ -232,7 +232,7 @@ def checkpoints_scenario(out: Path, rank: int) -> dict:
         rows = []
         for epochs, memories in ((range(0, 1), first), (range(1, 2), then)):
             set_memories(memories)
-            model = shard(make_model(), allocation=hetdp.Static(MEMORIES_MB))
+            model = shard(make_model(), allocation=hetdp.Static((1.0, 1.0, 2.0)))
             loader = model.allocate(loader_for(sequences()), global_batch=GLOBAL_BATCH)
             optimizer = make_optimizer(model, "adamw")
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=2 * len(loader))
