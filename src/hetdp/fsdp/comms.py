@@ -115,7 +115,8 @@ class Exchange:
 
     def __init__(self, clock: ShardedClock, *, group: dist.ProcessGroup, timeout_s: float, bounded: bool) -> None:
         self.clock = clock
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
+        """The drop-in's group; None once it released it (FSDP2's collectives then run over the mesh's group)."""
         self.timeout_s = timeout_s
         self.bounded = bounded
         self._ranks = dist.get_process_group_ranks(group)
@@ -128,7 +129,7 @@ class Exchange:
         paced and timed on the clock."""
         if async_op or not self.bounded:
             return self.clock.collective(lambda: start(async_op, group), reduces=reduces)
-        over = self.group if self._holds_ranks_of(group) else group
+        over = self.group if self.group is not None and self._holds_ranks_of(group) else group
 
         def bounded() -> None:
             work = start(True, over)
@@ -136,6 +137,10 @@ class Exchange:
                 wait_for(work, what, self.timeout_s, self.group)
 
         return self.clock.collective(bounded, reduces=reduces)
+
+    def release(self) -> None:
+        """The drop-in closed and released its group: FSDP2's collectives run over their own group from now on."""
+        self.group = None
 
     def _holds_ranks_of(self, group: dist.ProcessGroup) -> bool:
         name = group.group_name

@@ -192,8 +192,8 @@ class ShardedDropIn(StepCoordinator):
             warnings.warn(f"hetdp.fully_shard: {mix}", stacklevel=4)
 
     def _install_comms(self) -> None:
-        exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
-                            bounded=dist.get_backend(self._group) == "gloo")
+        exchange = self._exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
+                                             bounded=dist.get_backend(self._group) == "gloo")
         all_gather, reduce_scatter = TimedAllGather(exchange), WeighedReduceScatter(exchange, self.weighing)
         uneven = [unit for unit in self.units if isinstance(unit, UnevenModule)]
         if uneven:  # memory-sized shards: hetdp's own exchange (hetdp.fsdp.rowshard), weighed and timed alike
@@ -394,6 +394,7 @@ class ShardedDropIn(StepCoordinator):
         for handle in self._handles:
             handle.remove()
         self._release_figures(self._group)
+        self._exchange.release()
         release_group(self._group)
         self._group = None
 
