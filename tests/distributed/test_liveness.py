@@ -28,13 +28,16 @@ WAITING_IN = {
     "gradients": "the gradient allreduce",
     "buffers": "the forward's buffer broadcast",
     "checkpoint": "gathering the random states to checkpoint",
+    "all-gather": "FSDP2's all-gather",
 }
 
 
 # Rank 0 broadcasts the buffers: a stopped receiver holds nobody up, a stopped rank 0 holds up everyone. A rank stopped
-# before the gradient allreduce is the case the tcp:// and file:// launches below check, survivor by survivor.
-@pytest.mark.parametrize(("how", "where", "victim"), [("sleep", "gradients", 2), ("stop", "buffers", 0),
-                                                      ("stop", "checkpoint", 2)])
+# before the gradient allreduce is the case the tcp:// and file:// launches below check, survivor by survivor. A rank
+# asleep before its forward, while the others wait in a collective that the forward starts with (torch DDP's buffer
+# broadcast, FSDP2's all-gather), beats on: it is named because it never started the step they started.
+@pytest.mark.parametrize(("how", "where", "victim"), [("sleep", "gradients", 2), ("sleep", "buffers", 0),
+                                                      ("stop", "checkpoint", 2), ("sleep", "all-gather", 1)])
 def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
     expected = EXPECTED[how].format(victim=victim)
     with pytest.raises(HetDPError) as caught:
@@ -50,11 +53,13 @@ def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
         assert f"{WAITING_IN[where]} on rank {survivor} failed within 3 s" in outcome["message"]
 
 
-@pytest.mark.parametrize("init", ["tcp", "file"])
-def test_a_rank_stopped_in_the_gradient_allreduce_is_named_by_every_survivor_under_tcp_and_file_init(tmp_path, init):
+@pytest.mark.parametrize(("init", "how", "where"), [("tcp", "stop", "gradients"), ("file", "sleep", "all-gather")])
+def test_a_hung_rank_is_named_by_every_survivor_which_then_exits_under_tcp_and_file_init(tmp_path, init, how, where):
     """No launcher's variables: plain processes join by tcp:// or file:// (a script of one's own), and the heartbeats
-    still name the stopped rank, from the process group's own store (a TCPStore, a FileStore): rank 2, stopped before
-    the gradient allreduce, in every survivor's error, which says where it waited."""
+    still name the hung rank, from the process group's own store (a TCPStore, a FileStore): rank 2, stopped before
+    the gradient allreduce (``hetdp.DDP``), or asleep before FSDP2's all-gather (``hetdp.fully_shard``), in every
+    survivor's error, which says where it waited. No launcher ends the survivors either: each exits by itself,
+    though the default group's deadline is torch's 30 minutes and the victim never comes back."""
     # The port stays bound (SO_REUSEADDR, not listening) until the workers are done: rank 0's store binds it beside
     # this socket, and no other test's process can take it in between.
     with socket.socket() as holder:
@@ -67,7 +72,8 @@ def test_a_rank_stopped_in_the_gradient_allreduce_is_named_by_every_survivor_und
         logs = [tmp_path / f"rank-{rank}.log" for rank in range(3)]
         with contextlib.ExitStack() as files:
             workers = [subprocess.Popen([sys.executable, str(WORKERS / "hang_worker.py"), "--out", str(tmp_path),
-                                         "--how", "stop", "--victim", "2", "--init-method", url, "--rank", str(rank),
+                                         "--how", how, "--where", where, "--victim", "2", "--init-method", url,
+                                         "--rank", str(rank),
                                          "--world-size", "3"], env=env, stdout=files.enter_context(log.open("w")),
                                         stderr=subprocess.STDOUT)
                        for rank, log in enumerate(logs)]
@@ -83,5 +89,5 @@ def test_a_rank_stopped_in_the_gradient_allreduce_is_named_by_every_survivor_und
     for survivor in (0, 1):
         outcome = json.loads((tmp_path / f"rank-{survivor}.json").read_text())
         assert outcome["rank"] == 2
-        assert outcome["message"].startswith(EXPECTED["stop"].format(victim=2)), outcome["message"]
-        assert f"{WAITING_IN['gradients']} on rank {survivor} failed within 3 s" in outcome["message"]
+        assert outcome["message"].startswith(EXPECTED[how].format(victim=2)), outcome["message"]
+        assert f"{WAITING_IN[where]} on rank {survivor} failed within 3 s" in outcome["message"]

@@ -124,3 +124,13 @@ def test_experts_without_tokens_train_exactly_as_one_process(out, scenario):
     model, _ = reference("moe", ranks[0]["blocks"], chain_of=0)
     for record in ranks:
         assert_parameters(record["state"], model)
+
+
+@pytest.mark.parametrize("kind", ["aux", "moe"])
+def test_the_model_of_a_closed_sharded_drop_in_computes_with_what_it_trained(out, kind):
+    for record in records(out, f"{kind}_sharded"):
+        model = make(kind)  # each rank's own state: its BatchNorm's statistics count its own samples
+        model.load_state_dict({name: torch.tensor(value) for name, value in record["state"].items()})
+        model.eval()
+        expected = model(dataset().tensors[0][:BATCH]).detach().double()
+        assert torch.allclose(torch.tensor(record["closed_output"], dtype=torch.float64), expected, atol=1e-5)

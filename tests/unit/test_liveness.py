@@ -8,7 +8,7 @@ from torch.distributed import distributed_c10d
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetdp.runtime.liveness import Heartbeat, Verdict, judge
+from hetdp.runtime.liveness import Heartbeat, Verdict, judge, step_progress
 
 RANKS = [0, 1, 2, 3]
 
@@ -27,6 +27,17 @@ def test_a_rank_that_beats_but_lags_behind_this_one_is_stuck():
     before = [(5, 9), (5, 8), (5, 9)]
     after = [(7, 9), (7, 8), (7, 9)]
     assert judge(before, after, me=2, ranks=[0, 1, 2]) == Verdict(stuck=(1,))
+
+
+@given(st.integers(0, 1000))
+def test_a_rank_held_up_before_its_forward_lags_one_waiting_inside_the_step(steps_done):
+    # The others wait in a collective their forward began with (an all-gather, a buffer broadcast); this one has not
+    # started the step: behind, and behind one whose gradient synchronizes. A clock's "reached" left over from the
+    # last step does not count before the step starts.
+    idle = step_progress(steps_done, started=False, reached=True)
+    forward = step_progress(steps_done, started=True, reached=False)
+    synchronizing = step_progress(steps_done, started=True, reached=True)
+    assert idle < forward < synchronizing < step_progress(steps_done + 1, started=False, reached=False)
 
 
 def test_silence_outranks_lag_and_ranks_are_named_in_the_default_group():

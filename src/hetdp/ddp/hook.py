@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,20 +64,6 @@ class HookState:
 def comm_hook(state, bucket):  # no annotations: DDP checks them as types, and here they would be strings
     """DDP comm hook: weight and combine a bucket by the step's shares (see ``HookState``)."""
     return state.reduce(bucket)
-
-
-class _Stepping(Protocol):
-    steps_done: int
-    _hook: HookState
-
-
-def progress(model_ref: weakref.ref[_Stepping]) -> int:
-    """How far a rank got, for its heartbeat: two points a step, the second once its gradient is synchronizing.
-
-    Weakly held: the heartbeat must not keep the model (and its process group) alive.
-    """
-    model = model_ref()
-    return 0 if model is None else 2 * model.steps_done + int(model._hook.reached)
 
 
 def waits_for_rounds(spec: SyncPolicy) -> bool:

@@ -29,7 +29,7 @@ from hetdp.collectives.paths import agree_in_group
 from hetdp.data.steps import StepTicket
 from hetdp.ddp.coordinator import StepCoordinator
 from hetdp.ddp.follow import Followers, check_follows, check_place
-from hetdp.ddp.hook import HookState, buffer_options, comm_hook, loss_convention, progress, synchronizer
+from hetdp.ddp.hook import HookState, buffer_options, comm_hook, loss_convention, synchronizer
 from hetdp.ddp.seams import SeamParts, seam
 from hetdp.ddp.step import StepRunner, rebuild_buckets, warn_unstepped
 from hetdp.ddp.windows import BackwardEnd
@@ -38,6 +38,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
+from hetdp.runtime.liveness import step_progress
 from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, batch_statistics_mix
 from hetdp.sync.policy import SyncPolicy, sync_policy
@@ -152,7 +153,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
                           step_timeout_s, follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
-        self._coordinate(module, self.synchronizer, group, metrics, functools.partial(progress, weakref.ref(self)))
+        self._coordinate(module, self.synchronizer, group, metrics, functools.partial(_progress, weakref.ref(self)))
         if (mix := batch_statistics_mix(module, convention)) is not None and self._first_warning("batch statistics"):
             warnings.warn(f"hetdp.DDP: {mix}", stacklevel=2)
         self._followers: Followers[DistributedDataParallel] = Followers()
@@ -281,6 +282,16 @@ def _backward_ended(ref: weakref.ref[DistributedDataParallel]) -> None:
     model = ref()
     if model is not None and model._steps.open is not None:
         model._backward_ran()
+
+
+def _progress(ref: weakref.ref[DistributedDataParallel]) -> int:
+    """How far a rank got, for its heartbeat (``hetdp.runtime.liveness.step_progress``; weakly held: the heartbeat
+    must not keep the model, and its process group, alive)."""
+    model = ref()
+    if model is None:
+        return 0
+    step = model._steps.open
+    return step_progress(model.steps_done, step is not None and step.started, model._hook.reached)
 
 
 DDP = DistributedDataParallel

@@ -105,26 +105,48 @@ class Exchange:
     Over gloo each collective waits at most ``timeout_s`` (a dead or hung peer ends in a ``PeerTimeoutError`` that
     the heartbeats of ``group`` name), where FSDP2 alone would wait the default group's timeout; NCCL's collectives
     stay asynchronous (a bounded wait would block the host), their deadline the group's and its watchdog's.
+
+    Over gloo a collective FSDP2 asks of its mesh's group also runs over ``group``, the drop-in's, where the two hold
+    the same ranks in the same order: gloo's own deadline is then ``timeout_s`` too. Over the mesh's group (the default
+    group, whose deadline is the connection's) a collective whose wait ran out would go on on that group's thread,
+    and a survivor's exit, which joins the thread as it ends the group, would wait for it: a named failure, then a
+    launch that does not end.
     """
 
     def __init__(self, clock: ShardedClock, *, group: dist.ProcessGroup, timeout_s: float, bounded: bool) -> None:
         self.clock = clock
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
+        """The drop-in's group; None once it released it (FSDP2's collectives then run over the mesh's group)."""
         self.timeout_s = timeout_s
         self.bounded = bounded
+        self._ranks = dist.get_process_group_ranks(group)
+        self._same: dict[str, bool] = {}
+        """By group name: whether a group FSDP2 runs over holds ``group``'s ranks in its order."""
 
-    def run(self, start: Callable[[bool], dist.Work | None], async_op: bool, what: str, *, reduces: bool
-            ) -> dist.Work | None:
-        """Run a collective (``start(async_op)``), paced and timed on the clock."""
+    def run(self, start: Callable[[bool, dist.ProcessGroup], dist.Work | None], group: dist.ProcessGroup,
+            async_op: bool, what: str, *, reduces: bool) -> dist.Work | None:
+        """Run a collective over ``group`` (``start(async_op, group)``, perhaps over the drop-in's group instead),
+        paced and timed on the clock."""
         if async_op or not self.bounded:
-            return self.clock.collective(lambda: start(async_op), reduces=reduces)
+            return self.clock.collective(lambda: start(async_op, group), reduces=reduces)
+        over = self.group if self.group is not None and self._holds_ranks_of(group) else group
 
         def bounded() -> None:
-            work = start(True)
+            work = start(True, over)
             if work is not None:
                 wait_for(work, what, self.timeout_s, self.group)
 
         return self.clock.collective(bounded, reduces=reduces)
+
+    def release(self) -> None:
+        """The drop-in closed and released its group: FSDP2's collectives run over their own group from now on."""
+        self.group = None
+
+    def _holds_ranks_of(self, group: dist.ProcessGroup) -> bool:
+        name = group.group_name
+        if name not in self._same:
+            self._same[name] = dist.get_process_group_ranks(group) == self._ranks
+        return self._same[name]
 
 
 class TimedAllGather:
@@ -139,8 +161,8 @@ class TimedAllGather:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        return self.exchange.run(lambda asynchronous: dist.all_gather_single(
-            output_tensor, input_tensor, group=group, async_op=asynchronous), async_op, "FSDP2's all-gather",
+        return self.exchange.run(lambda asynchronous, over: dist.all_gather_single(
+            output_tensor, input_tensor, group=over, async_op=asynchronous), group, async_op, "FSDP2's all-gather",
             reduces=False)
 
 
@@ -159,6 +181,6 @@ class WeighedReduceScatter(TimedAllGather):
             input_tensor.zero_()
         elif weight != 1.0:
             input_tensor.mul_(weight)
-        return self.exchange.run(lambda asynchronous: dist.reduce_scatter_single(
-            output_tensor, input_tensor, group=group, op=dist.ReduceOp.SUM, async_op=asynchronous), async_op,
+        return self.exchange.run(lambda asynchronous, over: dist.reduce_scatter_single(
+            output_tensor, input_tensor, group=over, op=dist.ReduceOp.SUM, async_op=asynchronous), group, async_op,
             "FSDP2's reduce-scatter", reduces=True)

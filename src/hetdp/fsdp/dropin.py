@@ -41,6 +41,7 @@ from hetdp.fsdp.rowmemory import uneven_footprint
 from hetdp.fsdp.uneven import UnevenModule
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
+from hetdp.runtime.liveness import step_progress
 from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
@@ -191,8 +192,8 @@ class ShardedDropIn(StepCoordinator):
             warnings.warn(f"hetdp.fully_shard: {mix}", stacklevel=4)
 
     def _install_comms(self) -> None:
-        exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
-                            bounded=dist.get_backend(self._group) == "gloo")
+        exchange = self._exchange = Exchange(self.clock, group=self._group, timeout_s=self.step_timeout_s,
+                                             bounded=dist.get_backend(self._group) == "gloo")
         all_gather, reduce_scatter = TimedAllGather(exchange), WeighedReduceScatter(exchange, self.weighing)
         uneven = [unit for unit in self.units if isinstance(unit, UnevenModule)]
         if uneven:  # memory-sized shards: hetdp's own exchange (hetdp.fsdp.rowshard), weighed and timed alike
@@ -201,7 +202,8 @@ class ShardedDropIn(StepCoordinator):
                 raise ConfigError(f"{type(uneven[0]).__name__} has memory-sized shards and {type(even).__name__} "
                                   "torch's even ones: give every fully_shard call of a model the same shard_sizes")
             for unit in uneven:
-                unit._uneven.use(lambda start, what, reduces: exchange.run(start, False, what, reduces=reduces),
+                unit._uneven.use(lambda start, group, what, reduces: exchange.run(start, group, False, what,
+                                                                                  reduces=reduces),
                                  self.weighing.reduce_weight)
             return
         for unit in self.units:
@@ -392,6 +394,7 @@ class ShardedDropIn(StepCoordinator):
         for handle in self._handles:
             handle.remove()
         self._release_figures(self._group)
+        self._exchange.release()
         release_group(self._group)
         self._group = None
 
@@ -416,7 +419,10 @@ def _holds(outer: nn.Module, inner: nn.Module) -> bool:
 
 
 def _progress(ref: weakref.ref[ShardedDropIn]) -> int:
-    """How far a rank got, for its heartbeat: two points a step, the second once its gradients are reducing (weakly
-    held: the heartbeat must not keep the drop-in alive)."""
+    """How far a rank got, for its heartbeat (``hetdp.runtime.liveness.step_progress``; weakly held: the heartbeat
+    must not keep the drop-in alive)."""
     drop_in = ref()
-    return 0 if drop_in is None else 2 * drop_in.steps_done + int(drop_in.clock.reducing)
+    if drop_in is None:
+        return 0
+    step = drop_in._steps.open
+    return step_progress(drop_in.steps_done, step is not None and step.started, drop_in.clock.reducing)

@@ -37,10 +37,11 @@ from torch.distributed.tensor import DTensor, Shard
 from hetdp.fsdp.chunks import register_parameter, show_state_dict_chunks
 from hetdp.fsdp.rows import RowSplit, segment_offsets, segment_sizes
 
-Start = Callable[[bool], "dist.Work | None"]
-"""Starts a collective: called with ``async_op``, returns its work (or None once done)."""
-RunCollective = Callable[[Start, str, bool], None]
-"""Runs a collective to its end: ``run(start, what, reduces)`` (the drop-in's ``Exchange``: timed, paced, bounded)."""
+Start = Callable[[bool, "dist.ProcessGroup"], "dist.Work | None"]
+"""Starts a collective: called with ``async_op`` and the group to run it over, returns its work (or None once done)."""
+RunCollective = Callable[[Start, "dist.ProcessGroup", str, bool], None]
+"""Runs a collective over a group to its end: ``run(start, group, what, reduces)`` (the drop-in's ``Exchange``: timed,
+paced, bounded, perhaps over a group of its own with the same ranks)."""
 
 
 def _show_rows(first_rows: dict[str, int], module: nn.Module, state_dict: dict, prefix: str,
@@ -48,9 +49,9 @@ def _show_rows(first_rows: dict[str, int], module: nn.Module, state_dict: dict, 
     show_state_dict_chunks(state_dict, {prefix + name: first for name, first in first_rows.items()})
 
 
-def run_now(start: Start, what: str, reduces: bool) -> None:
-    """The collectives' runner outside the drop-in: start and wait, under the group's own timeout."""
-    work = start(False)
+def run_now(start: Start, group: dist.ProcessGroup, what: str, reduces: bool) -> None:
+    """The collectives' runner outside the drop-in: start over ``group`` and wait, under the group's own timeout."""
+    work = start(False, group)
     if work is not None:
         work.wait()
 
@@ -168,9 +169,9 @@ class RowShardedUnit:
         mine = self.segment if self.param_dtype == self.dtype else self.segment.to(self.param_dtype)
         received = torch.empty(sum(self.sizes), dtype=self.param_dtype, device=self.device)
         sent = mine.repeat(self.world_size)
-        self.run(lambda async_op: dist.all_to_all_single(
+        self.run(lambda async_op, group: dist.all_to_all_single(
             received, sent, output_split_sizes=self.sizes, input_split_sizes=[self.sizes[self.rank]] * self.world_size,
-            group=self.mesh.get_group(), async_op=async_op), "the all-gather of memory-sized shards", False)
+            group=group, async_op=async_op), self.mesh.get_group(), "the all-gather of memory-sized shards", False)
         segments = received.split(self.sizes)
         with torch.no_grad():
             for index, parameter in enumerate(self.parameters):
@@ -209,9 +210,10 @@ class RowShardedUnit:
                 sent.mul_(weight)
             mine = self.sizes[self.rank]
             received = torch.empty(self.world_size * mine, dtype=self.reduce_dtype, device=self.device)
-            self.run(lambda async_op: dist.all_to_all_single(
+            self.run(lambda async_op, group: dist.all_to_all_single(
                 received, sent, output_split_sizes=[mine] * self.world_size, input_split_sizes=self.sizes,
-                group=self.mesh.get_group(), async_op=async_op), "the reduce-scatter of memory-sized shards", True)
+                group=group, async_op=async_op), self.mesh.get_group(), "the reduce-scatter of memory-sized shards",
+                True)
             summed = received.view(self.world_size, mine).sum(0).to(self.dtype)
             for index, parameter in enumerate(self.parameters):
                 if not parameter.sharded.requires_grad:

@@ -1,6 +1,7 @@
 """The process group at run time, whatever started the workers: joining it from the engine's variables
 (``engines``), the groups hetdp adds and the one family of deadlines their waits keep (``group``), heartbeats that
-name a silent peer (``liveness``), and a failure's one line in torchrun's error file (``errorfile``).
+name a silent peer (``liveness``), a failure's one line in torchrun's error file (``errorfile``), and the groups'
+end (``teardown``) and forks (``forks``) kept clear of their threads.
 """
 
 from hetdp.runtime.group import (

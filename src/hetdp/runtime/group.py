@@ -19,6 +19,7 @@ from hetdp.floor import check_framework
 from hetdp.runtime import liveness
 from hetdp.runtime.engines import gloo_interface, placement
 from hetdp.runtime.errorfile import record_uncaught
+from hetdp.runtime.forks import guard_forks
 from hetdp.runtime.teardown import collect_at_exit
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def init_distributed(backend: str | None = None, timeouts: Timeouts | None = Non
         defer_nccl_watchdog()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeouts.connect_s))
     collect_at_exit()
+    guard_forks()
     log.debug("rank %d of %d joined with %s (%s)", dist.get_rank(), dist.get_world_size(), backend, place.engine)
     return dist.get_rank(), dist.get_world_size()
 
@@ -118,6 +120,7 @@ def new_step_group(timeout_s: float) -> dist.ProcessGroup:
     backend = dist.get_backend()
     if backend == "nccl":
         defer_nccl_watchdog()
+    guard_forks()  # a script that made its own group forks its loader's workers beside this one's threads
     return dist.new_group(timeout=datetime.timedelta(seconds=group_timeout_s(backend, timeout_s)))
 
 

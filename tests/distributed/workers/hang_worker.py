@@ -3,8 +3,9 @@ drop-in; every other rank writes what it raised to ``--out/rank-R.json``. Launch
 (``--init-method``) as plain processes joining by ``tcp://`` or ``file://``, with no launcher variable set.
 
 ``--where`` picks the collective the survivors are left waiting in: the step's gradient allreduce, the forward's
-broadcast of BatchNorm buffers, or the random-state gather of a step checkpoint (the victim stops at the end of the
-step before, and the checkpoint is due at ``--at``)."""
+broadcast of BatchNorm buffers, the random-state gather of a step checkpoint (the victim stops at the end of the
+step before, and the checkpoint is due at ``--at``), or, under ``hetdp.fully_shard``, FSDP2's all-gather as the
+forward starts."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetdp
 
 
+ASLEEP_S = 300.0
+"""How long the victim sleeps: past the launch's deadline, so that the launch ends only if the survivors end it (their
+exit must not wait for the victim, whatever its collectives' group is)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--how", choices=("stop", "sleep"), required=True)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--at", type=int, default=3)
-    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint"), default="gradients")
+    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint", "all-gather"), default="gradients")
     parser.add_argument("--init-method", metavar="URL", help="join by this tcp:// or file:// URL as --rank of "
                         "--world-size, as an engine that sets no torchrun variable would (a script of one's own)")
     parser.add_argument("--rank", type=int)
@@ -42,7 +48,9 @@ def main() -> None:
         rank, _ = hetdp.init_distributed("gloo")
     data = TensorDataset(torch.randn(240, 4), torch.randint(0, 2, (240,)))
     layers = [nn.BatchNorm1d(4)] if args.where == "buffers" else []
-    model = hetdp.DDP(nn.Sequential(*layers, nn.Linear(4, 2)), "equal", step_timeout_s=3.0)
+    module = nn.Sequential(*layers, nn.Linear(4, 2))
+    model = (hetdp.fully_shard(module, allocation="equal", step_timeout_s=3.0) if args.where == "all-gather" else
+             hetdp.DDP(module, "equal", step_timeout_s=3.0))
     loader = model.allocate(DataLoader(data, batch_size=4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if args.where == "checkpoint":
@@ -53,7 +61,7 @@ def main() -> None:
         if (step, when) == hang_at and rank == args.victim:
             if args.how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            time.sleep(60)
+            time.sleep(ASLEEP_S)
 
     try:
         for step, (x, y) in enumerate(loader):

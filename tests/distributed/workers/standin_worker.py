@@ -132,6 +132,10 @@ def run(scenario: str) -> dict:
     blocks = train(kind, model, sit_out=drop_in == "sitout")
     record = {"blocks": blocks, "state": state(model)}
     model.close()
+    if drop_in == "sharded":  # closed, the drop-in released its group: FSDP2's gathers run over the mesh's again
+        model.eval()
+        with torch.no_grad():
+            record["closed_output"] = model(dataset().tensors[0][:BATCH]).tolist()
     return record
 
 
