@@ -1,6 +1,7 @@
 """A stand-in is a training step that weighs nothing, and ranks may use different parameters in a step: both drop-ins
 train a model with train-only outputs (and a BatchNorm) at a short last step and with a rank that sits out or has no
-share, and a small mixture of experts whose experts get no token on some ranks, exactly as one process would."""
+share, and a small mixture of experts whose experts get no token on some ranks, exactly as one process would; a closed
+sharded drop-in's model computes on with what it trained."""
 
 from __future__ import annotations
 
