@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from dropin_worker import Pairs, make_model  # noqa: E402
 from loops_worker import LR_SUM, SEED, tokens_of  # noqa: E402
 
-RANKS = 4
+RANKS = 3
 SCENARIOS = ("prefetch", "prefetch_adaptive", "losses", "losses_sharded")
 WINDOWS = (*(f"windows_{kind}{drop_in}" for kind in ("static", "adaptive", "accumulates", "twice", "waiting")
              for drop_in in ("", "_sharded")), "windows_syncs")
@@ -77,14 +77,14 @@ def assert_trains_as(path: Path, expected: dict[str, torch.Tensor], atol: float 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
 def test_a_loop_that_fetches_ahead_trains_each_batch_under_its_own_shares(out, depth):
-    # Shares that change at steps 1 and 5 and a last step of 2 samples (two stand-ins): bound to the moment the
+    # Shares that change at steps 1 and 5 and a last step of 2 samples (a stand-in): bound to the moment the
     # loader yields, the batches train under the next step's shares and the last one outside any step.
     figures = load(out, "prefetch")
     mine = figures[0][f"depth{depth}"]
-    assert mine["blocks"][:4] == [[2, 4, 6, 4], [4, 2, 6, 4], [4, 2, 6, 4], [1, 0, 1, 0]]
-    assert mine["blocks"][4:] == [[4, 2, 6, 4], [2, 6, 4, 4], [2, 6, 4, 4], [0, 1, 1, 0]]
+    assert mine["blocks"][:4] == [[2, 4, 10], [4, 2, 10], [4, 2, 10], [1, 0, 1]]
+    assert mine["blocks"][4:] == [[4, 2, 10], [2, 6, 8], [2, 6, 8], [0, 1, 1]]
     assert mine["reports"] == [1, 2]  # each epoch's report is there right after its for loop
-    assert mine["samples"] == [[11, 8, 19, 12], [8, 15, 15, 12]]
+    assert mine["samples"] == [[11, 8, 31], [8, 15, 27]]
     assert mine["warnings"] == []
     # model.step_samples, read in the loop body before the forward, is the batch's own at every depth: its size,
     # and 0 on a stand-in batch (whose samples a step's token count must not count).
@@ -106,7 +106,7 @@ def test_a_loop_one_batch_ahead_under_adaptive_shares_trains_as_one_process(out)
 @pytest.mark.parametrize("loss", ["sum", "global_mean"])
 def test_a_loss_that_is_not_a_per_rank_mean_trains_as_plain_ddp_at_equal_shares(out, loss):
     figures = load(out, "losses")[0][loss]
-    assert figures["blocks"][:4] == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]]
+    assert figures["blocks"][:4] == [[2, 4, 10]] * 3 + [[0, 1, 1]]
     assert figures["warnings"] == []
     assert_trains_as(out / f"losses_{loss}.pt", reference(50, 16, optimizer="sgd", loss=loss))
 
@@ -114,7 +114,7 @@ def test_a_loss_that_is_not_a_per_rank_mean_trains_as_plain_ddp_at_equal_shares(
 @pytest.mark.parametrize("loss", ["sum", "global_mean"])
 def test_a_sharded_loss_that_is_not_a_per_rank_mean_trains_as_plain_fsdp2_at_equal_shares(out, loss):
     figures = load(out, "losses_sharded")[0][loss]
-    assert figures["blocks"][:4] == [[2, 4, 6, 4]] * 3 + [[0, 1, 1, 0]]
+    assert figures["blocks"][:4] == [[2, 4, 10]] * 3 + [[0, 1, 1]]
     assert figures["warnings"] == []
     expected = reference(50, 16, optimizer="sgd", loss=loss)
     assert_trains_as(out / f"losses_sharded_{loss}.pt", expected)
@@ -122,10 +122,10 @@ def test_a_sharded_loss_that_is_not_a_per_rank_mean_trains_as_plain_fsdp2_at_equ
 
 # --- a loop that fetches a window of batches, then trains them with no fetch between ---------------------------------
 
-STATIC_BLOCKS = [[2, 2, 4, 8], [4, 2, 6, 4], [4, 2, 6, 4], [1, 0, 1, 0], [4, 2, 6, 4], [2, 6, 4, 4], [2, 6, 4, 4],
-                 [0, 1, 1, 0]]
-"""Static shares 1, 1, 2, 4 of 16, set to 4, 2, 6, 4 at step 1 and 2, 6, 4, 4 at step 5 (inside a window of 2 or 4,
-and inside the second epoch), each epoch's last step of 2 samples (two stand-ins)."""
+STATIC_BLOCKS = [[4, 4, 8], [4, 2, 10], [4, 2, 10], [1, 0, 1], [4, 2, 10], [2, 6, 8], [2, 6, 8], [0, 1, 1]]
+"""Static shares 1, 1, 2 of 16, set to 4, 2, 10 at step 1 and 2, 6, 8 at step 5 (inside a window of 2 or 4, and
+inside the second epoch), each epoch's last step of 2 samples (a stand-in): 2 x 4/16, 2/16, 10/16 are 0.5, 0.25 and
+1.25, the largest remainder rank 0's; 2 x 2/16, 6/16, 8/16 are 0.25, 0.75 and 1, rank 1's."""
 DROP_INS = ["", "_sharded"]
 
 
@@ -180,7 +180,7 @@ def test_a_loop_that_trains_a_window_of_fetched_batches_trains_each_under_its_ow
     mine = figures[0]
     assert mine["blocks"] == STATIC_BLOCKS
     assert mine["reports"] == [1, 2]  # each epoch's report is there right after its for loop
-    assert mine["samples"] == [[11, 6, 17, 16], [8, 15, 15, 12]]
+    assert mine["samples"] == [[13, 8, 29], [8, 15, 27]]
     assert mine["warnings"] == []
     assert_each_batch_under_its_own_step(figures, STATIC_BLOCKS)
     assert_trains_as(out / f"windows_static{drop_in}_{window}.pt", reference(50, 16, optimizer="adamw"))
@@ -221,11 +221,11 @@ def test_under_accumulates_a_window_of_batches_run_as_micro_batches_trains_as_on
 
 @pytest.mark.parametrize("sync", ["allreduce", "solo", "majority", "local:2"])
 def test_a_window_loop_binds_each_batch_to_its_step_under_every_synchronization(out, sync):
-    # Shares 4, 2, 6, 4 from step 1, then 6, 0, 4, 6 from step 5: under allreduce rank 1 sits out of the exchange
+    # Shares 4, 2, 10 from step 1, then 6, 0, 10 from step 5: under allreduce rank 1 sits out of the exchange
     # (a stand-in of its own); partial rounds and local averaging weigh what they hold by each batch's samples.
     figures = [record[sync] for record in load(out, "windows_syncs")]
     blocks = figures[0]["blocks"]
-    assert blocks[:4] == STATIC_BLOCKS[:4] and blocks[5] == blocks[6] == [6, 0, 4, 6], blocks
+    assert blocks[:4] == STATIC_BLOCKS[:4] and blocks[5] == blocks[6] == [6, 0, 10], blocks
     assert figures[0]["reports"] == [1, 2] and figures[0]["warnings"] == []
     assert_each_batch_under_its_own_step(figures, blocks)
     if sync == "allreduce":

@@ -29,6 +29,8 @@ from dropin_worker import Pairs, make_model
 
 SEED = 3
 LR_SUM = 0.02
+GLOBAL_BATCH = 16
+"""Samples a step on 3 ranks (batches of 4 a rank would make 12): a step of 2 samples ends each epoch of 50."""
 """SGD's rate for a summed loss (its gradient is a step's samples over the ranks times a mean's)."""
 
 
@@ -192,22 +194,22 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     result: dict = {}
     if scenario == "prefetch":
         # Static unequal shares that change at step 1 (as a re-plan does) and at step 5 (inside the second epoch),
-        # a last step of 2 samples for 4 ranks (two stand-ins); AdamW, a per-step schedule and clipping.
+        # a last step of 2 samples for 3 ranks (a stand-in); AdamW, a per-step schedule and clipping.
         for depth in (0, 1, 2, 3):
-            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 3.0, 2.0)))
-            loader = model.allocate(loader_for(50, 4))
-            model.set_shares([4, 2, 6, 4], at_step=1)
-            model.set_shares([2, 6, 4, 4], at_step=5)
+            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 5.0)))
+            loader = model.allocate(loader_for(50, 4), global_batch=GLOBAL_BATCH)
+            model.set_shares([4, 2, 10], at_step=1)
+            model.set_shares([2, 6, 8], at_step=5)
             result[f"depth{depth}"] = trained(model, loader, torch.optim.AdamW(model.parameters(), lr=0.05),
                                               depth=depth, schedule=True)
             if rank == 0:
                 torch.save(model.module.state_dict(), out / f"prefetch_{depth}.pt")
             model.close()
     elif scenario == "prefetch_adaptive":
-        # Adaptive shares on emulated devices (speeds 1, 1, 2, 4), one batch ahead: re-plans land inside epochs.
-        emulation = hetdp.Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=2.0)
+        # Adaptive shares on emulated devices (speeds 1, 2, 4), one batch ahead: re-plans land inside epochs.
+        emulation = hetdp.Emulation(speeds=(1.0, 2.0, 4.0), sample_cost_ms=2.0)
         model = hetdp.DDP(make_model(7 + rank), "adaptive", emulation=emulation)
-        loader = model.allocate(loader_for(400, 4))
+        loader = model.allocate(loader_for(400, 4), global_batch=GLOBAL_BATCH)
         result = {**trained(model, loader, torch.optim.SGD(model.parameters(), lr=0.3), depth=1),
                   "replans": model.allocator.replans, "shares": model.shares}
         if rank == 0:
@@ -216,8 +218,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
     elif scenario == "losses":
         # A summed loss and a global token mean under unequal static shares, and a short last step with stand-ins.
         for convention in ("sum", "global_mean"):
-            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 3.0, 2.0)), loss=convention)
-            loader = model.allocate(loader_for(50, 4))
+            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 2.0, 5.0)), loss=convention)
+            loader = model.allocate(loader_for(50, 4), global_batch=GLOBAL_BATCH)
             lr = LR_SUM if convention == "sum" else 0.3
             result[convention] = trained(model, loader, torch.optim.SGD(model.parameters(), lr=lr),
                                          convention=convention)
@@ -230,8 +232,8 @@ def run(scenario: str, out: Path, rank: int) -> dict:
             net = make_model(7)  # FSDP2 shards what each rank holds: every rank starts from the same model
             for layer in (net[0], net[2]):
                 hetdp.fully_shard(layer)
-            hetdp.fully_shard(net, allocation=hetdp.Static((1.0, 2.0, 3.0, 2.0)), loss=convention)
-            loader = net.allocate(loader_for(50, 4))
+            hetdp.fully_shard(net, allocation=hetdp.Static((1.0, 2.0, 5.0)), loss=convention)
+            loader = net.allocate(loader_for(50, 4), global_batch=GLOBAL_BATCH)
             lr = LR_SUM if convention == "sum" else 0.3
             result[convention] = trained(net, loader, torch.optim.SGD(net.parameters(), lr=lr),
                                          convention=convention, depth=1)
@@ -260,12 +262,12 @@ def run_windows(scenario: str, out: Path, rank: int) -> dict:
         return hetdp.DDP(make_model(7 + rank), allocation, **options)
 
     def static(**allocated) -> tuple[nn.Module, object]:
-        # Shares 2, 2, 4, 8 of 16 (static 1, 1, 2, 4), changed at step 1 and at step 5 (inside a window of either
-        # size, and inside the second epoch), and each epoch's last step of 2 samples (two stand-ins).
-        model = made(hetdp.Static((1.0, 1.0, 2.0, 4.0)))
-        loader = model.allocate(window_loader(50), **allocated)
-        model.set_shares([4, 2, 6, 4], at_step=1)
-        model.set_shares([2, 6, 4, 4], at_step=5)
+        # Shares 4, 4, 8 of 16 (static 1, 1, 2), changed at step 1 and at step 5 (inside a window of either size,
+        # and inside the second epoch), and each epoch's last step of 2 samples (a stand-in).
+        model = made(hetdp.Static((1.0, 1.0, 2.0)))
+        loader = model.allocate(window_loader(50), global_batch=GLOBAL_BATCH, **allocated)
+        model.set_shares([4, 2, 10], at_step=1)
+        model.set_shares([2, 6, 8], at_step=5)
         return model, loader
 
     result: dict = {}
@@ -278,12 +280,12 @@ def run_windows(scenario: str, out: Path, rank: int) -> dict:
             save_parameters(model, out / f"{scenario}_{window}.pt", rank)
             model.close()
     elif scenario.startswith("windows_adaptive"):
-        # Adaptive shares on emulated devices (speeds 1, 1, 2, 4): re-plans land inside windows. 10 ms a sample: at 2
+        # Adaptive shares on emulated devices (speeds 1, 2, 4): re-plans land inside windows. 10 ms a sample: at 2
         # the sharded drop-in's collectives, on a loaded machine, hid the speeds from the adaptive rule (no re-plan).
         for window in (2, 4):
-            emulation = hetdp.Emulation(speeds=(1.0, 1.0, 2.0, 4.0), sample_cost_ms=10.0)
+            emulation = hetdp.Emulation(speeds=(1.0, 2.0, 4.0), sample_cost_ms=10.0)
             model = made("adaptive", emulation=emulation)
-            loader = model.allocate(window_loader(400))
+            loader = model.allocate(window_loader(400), global_batch=GLOBAL_BATCH)
             result[f"window{window}"] = {
                 **trained_in_windows(model, loader, torch.optim.SGD(model.parameters(), lr=0.3), window=window),
                 "replans": model.allocator.replans}
@@ -321,10 +323,10 @@ def run_windows(scenario: str, out: Path, rank: int) -> dict:
         # hetdp.DDP under each synchronization, windows of 2, rank 1 given no share from step 5 on (it sits out of
         # the allreduce's exchange, and joins the others' with a stand-in weighted 0); exact under allreduce.
         for sync in ("allreduce", "solo", "majority", "local:2"):
-            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 1.0, 2.0, 4.0)), sync)
-            loader = model.allocate(window_loader(50))
-            model.set_shares([4, 2, 6, 4], at_step=1)
-            model.set_shares([6, 0, 4, 6], at_step=5)
+            model = hetdp.DDP(make_model(7 + rank), hetdp.Static((1.0, 1.0, 2.0)), sync)
+            loader = model.allocate(window_loader(50), global_batch=GLOBAL_BATCH)
+            model.set_shares([4, 2, 10], at_step=1)
+            model.set_shares([6, 0, 10], at_step=5)
             result[sync] = trained_in_windows(model, loader, torch.optim.SGD(model.parameters(), lr=0.3), window=2)
             save_parameters(model, out / f"{scenario}_{sync}.pt", rank)
             model.close()
