@@ -12,7 +12,6 @@ import collections
 import functools
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -31,7 +30,7 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.gather import Planner
 from hetdp.figures.metrics import EpochReport, MetricsConfig, MetricsWriter
 from hetdp.figures.tally import Epochs
-from hetdp.runtime.liveness import Heartbeat
+from hetdp.runtime.liveness import Heartbeat, step_progress
 from hetdp.runtime import host_group
 from hetdp.runtime.teardown import collect_at_exit, release_group
 from hetdp.sync.base import Synchronizer
@@ -69,9 +68,9 @@ class StepCoordinator(Allocating, CheckpointState):
     emulation: Emulation
 
     def _coordinate(self, module: nn.Module, synchronizer: Synchronizer, group: dist.ProcessGroup,
-                    metrics: MetricsConfig | None, progress: Callable[[], int]) -> None:
+                    metrics: MetricsConfig | None) -> None:
         """Start the planning, the epochs' figures and this rank's heartbeat (collective over ``group``), once the
-        exchange is built; ``progress`` tells the heartbeat how far the rank got."""
+        exchange is built."""
         collect_at_exit()  # registered before the heartbeat's stop, so it runs after it: see its module
         self.metrics = metrics or MetricsConfig()
         self._writer = MetricsWriter(self.metrics) if self.metrics.enabled and self.rank == 0 else None
@@ -89,7 +88,7 @@ class StepCoordinator(Allocating, CheckpointState):
         """This rank's random state a loaded checkpoint saved; the allocated loader restores it as the loop starts."""
         self._listeners = []
         self._warned: set[str] = set()
-        self._heartbeat = Heartbeat(group, progress).start()
+        self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
         self._ahead: collections.deque[StepTicket] = collections.deque()
         """Tickets of batches the allocated loader yielded whose steps wait for the open one to close (a loop that
@@ -279,6 +278,10 @@ class StepCoordinator(Allocating, CheckpointState):
         """Close the exchange's side of the open step (None if none) and return it, with its times."""
         raise NotImplementedError
 
+    def _reducing(self) -> bool:
+        """Whether the open step's gradient has reached the exchange's reduction (a heartbeat's progress tells)."""
+        raise NotImplementedError
+
     def _step_closed(self) -> None:
         """After a step's figures are recorded, before a checkpoint may save it: what the exchange does then."""
 
@@ -333,3 +336,13 @@ def _optimizer_stepped(ref: weakref.ref[StepCoordinator], optimizer: torch.optim
     open_step = model._steps.open
     if open_step is not None and open_step.started:
         model._close_bound()
+
+
+def _progress(ref: weakref.ref[StepCoordinator]) -> int:
+    """How far a rank got, for its heartbeat (``hetdp.runtime.liveness.step_progress``; weakly held: the heartbeat
+    must not keep the model, and its process group, alive)."""
+    model = ref()
+    if model is None:
+        return 0
+    step = model._steps.open
+    return step_progress(model.steps_done, step is not None and step.started, model._reducing())

@@ -38,7 +38,6 @@ from hetdp.figures.clock import EndedStep, StepClock
 from hetdp.figures.metrics import EpochReport, MetricsConfig
 from hetdp.membership.standin import weighing_nothing
 from hetdp.runtime import new_step_group, peer_failures
-from hetdp.runtime.liveness import step_progress
 from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, batch_statistics_mix
 from hetdp.sync.policy import SyncPolicy, sync_policy
@@ -153,7 +152,7 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
                           step_timeout_s, follow._seam if follow is not None else None)
         self._sitting = self._seam.sitting if self._seam is not None else None
         self.register_comm_hook(self._hook, comm_hook)
-        self._coordinate(module, self.synchronizer, group, metrics, functools.partial(_progress, weakref.ref(self)))
+        self._coordinate(module, self.synchronizer, group, metrics)
         if (mix := batch_statistics_mix(module, convention)) is not None and self._first_warning("batch statistics"):
             warnings.warn(f"hetdp.DDP: {mix}", stacklevel=2)
         self._followers: Followers[DistributedDataParallel] = Followers()
@@ -207,6 +206,9 @@ class DistributedDataParallel(StepCoordinator, TorchDDP):
 
     def _close_step(self) -> EndedStep | None:
         return self._steps.end()
+
+    def _reducing(self) -> bool:
+        return self._hook.reached
 
     def _step_closed(self) -> None:
         self._catch_up()
@@ -282,16 +284,6 @@ def _backward_ended(ref: weakref.ref[DistributedDataParallel]) -> None:
     model = ref()
     if model is not None and model._steps.open is not None:
         model._backward_ran()
-
-
-def _progress(ref: weakref.ref[DistributedDataParallel]) -> int:
-    """How far a rank got, for its heartbeat (``hetdp.runtime.liveness.step_progress``; weakly held: the heartbeat
-    must not keep the model, and its process group, alive)."""
-    model = ref()
-    if model is None:
-        return 0
-    step = model._steps.open
-    return step_progress(model.steps_done, step is not None and step.started, model._hook.reached)
 
 
 DDP = DistributedDataParallel

@@ -7,10 +7,8 @@ the root (``hetdp.fsdp.shard``); the module's methods hand the rest to it.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +39,6 @@ from hetdp.fsdp.rowmemory import uneven_footprint
 from hetdp.fsdp.uneven import UnevenModule
 from hetdp.membership.standin import kept_state
 from hetdp.runtime import new_step_group
-from hetdp.runtime.liveness import step_progress
 from hetdp.runtime.teardown import release_group
 from hetdp.sync.base import LossConvention, Synchronizer, batch_statistics_mix, check_loss, step_part
 from hetdp.sync.policy import Allreduce, LocalAveraging, SyncPolicy, sync_policy
@@ -187,7 +184,7 @@ class ShardedDropIn(StepCoordinator):
         self._handles = [handle for unit in self._tops for handle in (
             unit.register_forward_pre_hook(self._forward_starts, prepend=True, with_kwargs=True),
             unit.register_forward_hook(self._forward_ended))]
-        self._coordinate(root, EveryStep(), group, settings.metrics, functools.partial(_progress, weakref.ref(self)))
+        self._coordinate(root, EveryStep(), group, settings.metrics)
         if (mix := batch_statistics_mix(root, self.loss)) is not None and self._first_warning("batch statistics"):
             warnings.warn(f"hetdp.fully_shard: {mix}", stacklevel=4)
 
@@ -314,6 +311,9 @@ class ShardedDropIn(StepCoordinator):
         self.weighing.step = self.weighing.outside
         return EndedStep(step.ticket, self.clock.finish() if step.started else StepTimes(None, []))
 
+    def _reducing(self) -> bool:
+        return self.clock.reducing
+
     # --- memory --------------------------------------------------------------------------------------------------
 
     def _memory_caps(self, max_batch: int | Sequence[int | None] | Literal["measure"] | None,
@@ -416,13 +416,3 @@ def unit_options(unit: nn.Module) -> Mapping[str, Any]:
 
 def _holds(outer: nn.Module, inner: nn.Module) -> bool:
     return any(module is inner for module in outer.modules())
-
-
-def _progress(ref: weakref.ref[ShardedDropIn]) -> int:
-    """How far a rank got, for its heartbeat (``hetdp.runtime.liveness.step_progress``; weakly held: the heartbeat
-    must not keep the drop-in alive)."""
-    drop_in = ref()
-    if drop_in is None:
-        return 0
-    step = drop_in._steps.open
-    return step_progress(drop_in.steps_done, step is not None and step.started, drop_in.clock.reducing)
