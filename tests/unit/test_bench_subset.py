@@ -20,6 +20,7 @@ def _raw(exchange_s):
                      warmup=0))
     return {"parameters": {"mlp": 10, "convnet": 5}, "comm_heavy_sample_cost_ms": 100.0, "runs": {
         "fastest_alone": _rows([2.0, 1.0, 0.95, 0.95], [128, 0, 0, 0], [1536, 0, 0, 0], [0.0] * 4),
+        "alone_kept_current": _rows([2.0, 1.0, 0.98, 0.98], [128, 0, 0, 0], [1536, 0, 0, 0], [0.0] * 4),
         "comm_heavy": heavy,
         # equal: 384 samples a rank at 8, 8, 4 and 2 ms: the slowest computes 3.072 s; balanced, 1536 samples at
         # 125 + 125 + 250 + 500 samples/s take 1.536 s
@@ -38,11 +39,15 @@ def test_the_group_is_read_against_the_best_subset_and_the_balanced_run_against_
     assert best["all_in_epoch_s"] == pytest.approx(0.95 - 1.536 * (1 - 1 / 1.03) + 0.6)
     assert best["subset"] == [0] and result["ideal_vs_fastest_alone"] == 1.0
     assert result["efficiency_vs_best_subset"] == pytest.approx(0.95)
+    # the floor: the fastest alone, then each epoch's gather and broadcast
+    assert result["floor_vs_fastest_alone"] == pytest.approx(0.95 / 0.98)
+    assert result["efficiency_vs_floor"] == pytest.approx(0.98)
     assert result["balanced_ideal_speedup"] == pytest.approx(3.2 / (3.2 - 1.536))
     assert result["balanced_efficiency"] == pytest.approx((3.2 - 1.536) / 1.8)
     assert result["settings"]["comm_heavy"]["sat_out"] == [1, 2, 3] and result["settings"]["balanced"]["sat_out"] == []
     text = subset.render({**result, "benchmark": "subset"})
     assert "vs_fastest_alone 0.950 (ideal 1.000)" in text and "balanced_efficiency 0.924" in text
+    assert "0.969 of the fastest alone; the group 0.980 of the floor" in text
 
 
 def test_everyone_in_is_the_best_subset_where_the_exchange_costs_less_than_the_compute_saved():
