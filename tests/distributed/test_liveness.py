@@ -29,15 +29,19 @@ WAITING_IN = {
     "buffers": "the forward's buffer broadcast",
     "checkpoint": "gathering the random states to checkpoint",
     "all-gather": "FSDP2's all-gather",
+    "epoch-end": "gathering step figures",
 }
 
 
 # Rank 0 broadcasts the buffers: a stopped receiver holds nobody up, a stopped rank 0 holds up everyone. A rank stopped
 # before the gradient allreduce is the case the tcp:// and file:// launches below check, survivor by survivor. A rank
 # asleep before its forward, while the others wait in a collective that the forward starts with (torch DDP's buffer
-# broadcast, FSDP2's all-gather), beats on: it is named because it never started the step they started.
+# broadcast, FSDP2's all-gather), beats on: it is named because it never started the step they started. One asleep
+# after its epoch's last step, while the others wait in the epoch's gather of figures, is named because it never
+# entered the epoch's end.
 @pytest.mark.parametrize(("how", "where", "victim"), [("sleep", "gradients", 2), ("sleep", "buffers", 0),
-                                                      ("stop", "checkpoint", 2), ("sleep", "all-gather", 1)])
+                                                      ("stop", "checkpoint", 2), ("sleep", "all-gather", 1),
+                                                      ("sleep", "epoch-end", 1)])
 def test_every_survivor_names_the_silent_rank(tmp_path, how, where, victim):
     expected = EXPECTED[how].format(victim=victim)
     with pytest.raises(HetDPError) as caught:

@@ -34,10 +34,21 @@ def test_a_rank_held_up_before_its_forward_lags_one_waiting_inside_the_step(step
     # The others wait in a collective their forward began with (an all-gather, a buffer broadcast); this one has not
     # started the step: behind, and behind one whose gradient synchronizes. A clock's "reached" left over from the
     # last step does not count before the step starts.
-    idle = step_progress(steps_done, started=False, reached=True)
-    forward = step_progress(steps_done, started=True, reached=False)
-    synchronizing = step_progress(steps_done, started=True, reached=True)
-    assert idle < forward < synchronizing < step_progress(steps_done + 1, started=False, reached=False)
+    idle = step_progress(steps_done, started=False, reached=True, epoch_ends=0)
+    forward = step_progress(steps_done, started=True, reached=False, epoch_ends=0)
+    synchronizing = step_progress(steps_done, started=True, reached=True, epoch_ends=0)
+    assert idle < forward < synchronizing < step_progress(steps_done + 1, started=False, reached=False, epoch_ends=0)
+
+
+@given(st.integers(0, 1000), st.integers(0, 100))
+def test_a_rank_held_up_before_its_epoch_end_lags_the_ranks_in_it_and_leads_any_still_in_a_step(steps_done, ends):
+    # Every rank meets at an epoch's end between two steps: one held up after its last step (its own code before the
+    # loader's next batch) has not entered it; the ranks in it have not started the next step.
+    held = step_progress(steps_done, started=False, reached=False, epoch_ends=ends)
+    meeting = step_progress(steps_done, started=False, reached=False, epoch_ends=ends + 1)
+    next_step = step_progress(steps_done, started=True, reached=False, epoch_ends=ends + 1)
+    last_step = step_progress(steps_done - 1, started=True, reached=True, epoch_ends=ends)
+    assert last_step < held < meeting < next_step
 
 
 def test_silence_outranks_lag_and_ranks_are_named_in_the_default_group():

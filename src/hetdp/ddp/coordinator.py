@@ -88,6 +88,8 @@ class StepCoordinator(Allocating, CheckpointState):
         """This rank's random state a loaded checkpoint saved; the allocated loader restores it as the loop starts."""
         self._listeners = []
         self._warned: set[str] = set()
+        self._epoch_ends = 0
+        """Epoch ends this rank entered (``end_epoch``, a collective), for its heartbeat's progress."""
         self._heartbeat = Heartbeat(group, functools.partial(_progress, weakref.ref(self))).start()
         weakref.finalize(self, self._heartbeat.stop)
         self._ahead: collections.deque[StepTicket] = collections.deque()
@@ -291,6 +293,7 @@ class StepCoordinator(Allocating, CheckpointState):
         Collective; the allocated loader calls it after the epoch's last step.
         """
         assert self._epochs.tally is not None, "end_epoch() without begin_epoch()"
+        self._epoch_ends += 1
         totals = self._epochs.tally.totals().values()
         every_rank = self._planner.gather(meet=self._planner.apart, extra=totals, epoch_end=True)
         self.clock.restart()  # the ranks just met, announced or not: no emulated step runs on past it
@@ -345,4 +348,4 @@ def _progress(ref: weakref.ref[StepCoordinator]) -> int:
     if model is None:
         return 0
     step = model._steps.open
-    return step_progress(model.steps_done, step is not None and step.started, model._reducing())
+    return step_progress(model.steps_done, step is not None and step.started, model._reducing(), model._epoch_ends)

@@ -84,12 +84,14 @@ class Verdict:
         return Verdict(tuple(int(r) for r in silent.split(",") if r), tuple(int(r) for r in stuck.split(",") if r))
 
 
-def step_progress(steps_done: int, started: bool, reached: bool) -> int:
+def step_progress(steps_done: int, started: bool, reached: bool, epoch_ends: int) -> int:
     """How far a rank got, for its heartbeat: three points a step. The first once its forward started, so that a rank
     held up before its forward (loading data, a hang in its own code) is behind one that waits in a forward's
     collective (FSDP2's all-gather, torch DDP's buffer broadcast); the second once the started step's gradient
-    synchronizes (``reached``, which counts only in a started step: a clock may still hold the last step's)."""
-    return 3 * steps_done + int(started) + int(started and reached)
+    synchronizes (``reached``, which counts only in a started step: a clock may still hold the last step's). And a
+    point for each epoch end the rank entered (``epoch_ends``): every rank meets there between two steps, so one held
+    up after its epoch's last step is behind those that wait in the epoch's gather of figures."""
+    return 3 * steps_done + epoch_ends + int(started) + int(started and reached)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

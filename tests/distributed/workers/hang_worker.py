@@ -4,8 +4,10 @@ drop-in; every other rank writes what it raised to ``--out/rank-R.json``. Launch
 
 ``--where`` picks the collective the survivors are left waiting in: the step's gradient allreduce, the forward's
 broadcast of BatchNorm buffers, the random-state gather of a step checkpoint (the victim stops at the end of the
-step before, and the checkpoint is due at ``--at``), or, under ``hetdp.fully_shard``, FSDP2's all-gather as the
-forward starts."""
+step before, and the checkpoint is due at ``--at``), under ``hetdp.fully_shard``, FSDP2's all-gather as the
+forward starts, or the gather of figures at the epoch's end: the loop is then a trainer's (``LoopLoader``: a step
+closed by the hook after the optimizer's step, the epoch by the epoch-end hook), and the victim sleeps between the
+epoch's last step and its end, in a callback of its own."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetdp
+from hetdp.integrations.steps import LoopLoader
 
 
 ASLEEP_S = 300.0
@@ -34,7 +37,7 @@ def main() -> None:
     parser.add_argument("--how", choices=("stop", "sleep"), required=True)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--at", type=int, default=3)
-    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint", "all-gather"), default="gradients")
+    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint", "all-gather", "epoch-end"), default="gradients")
     parser.add_argument("--init-method", metavar="URL", help="join by this tcp:// or file:// URL as --rank of "
                         "--world-size, as an engine that sets no torchrun variable would (a script of one's own)")
     parser.add_argument("--rank", type=int)
@@ -55,7 +58,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if args.where == "checkpoint":
         model.checkpointer(args.out / "ckpt", optimizer, every=args.at)
-    hang_at = (args.at - 1, "after") if args.where == "checkpoint" else (args.at, "before")
+    hang_at = {"checkpoint": (args.at - 1, "after"), "epoch-end": (len(loader) - 1, "after")}.get(
+        args.where, (args.at, "before"))
 
     def hang(step: int, when: str) -> None:
         if (step, when) == hang_at and rank == args.victim:
@@ -63,13 +67,20 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(ASLEEP_S)
 
+    trainer = LoopLoader(loader) if args.where == "epoch-end" else None
     try:
-        for step, (x, y) in enumerate(loader):
+        for step, (x, y) in enumerate(trainer or loader):
             hang(step, "before")
+            if trainer is not None:
+                trainer.begin_batch()
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+            if trainer is not None:
+                trainer.end_batch()
             hang(step, "after")
+        if trainer is not None:
+            trainer.end_epoch()
     except hetdp.PeerTimeoutError as error:
         outcome = {"rank": error.rank, "message": str(error)}
         (args.out / f"rank-{rank}.json").write_text(json.dumps(outcome))
