@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hetdp.bench.compare import alternate, ideal, per_sample_s, plain_row, report_row, sat_out, steady_s
@@ -49,6 +48,7 @@ from hetdp.bench.models import ConvNet
 from hetdp.bench.workers import launch_workers
 from hetdp.cluster.emulate import Emulation
 from hetdp.cluster.probe import median_batch_s
+from hetdp.collectives.flat import broadcast_in_place
 from hetdp.ddp import model as hetdp_ddp
 from hetdp.errors import ConfigError
 from hetdp.launch import EventWriter
@@ -237,8 +237,9 @@ class _Alone:
     """The fastest rank on the same global batches, alone (the others wait): a plain loop, each step paced as its
     emulated device."""
 
+    name = "fastest_alone"
+
     def __init__(self, module: nn.Module, speed: float, split: Split, seed: int, sample_cost_ms: float) -> None:
-        self.name = "fastest_alone"
         self.module = module
         self.emulation = Emulation(speeds=(speed,), sample_cost_ms=sample_cost_ms, seed=seed)
         self.optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
@@ -268,22 +269,15 @@ class _AloneKeptCurrent(_Alone):
     one gather of a row of figures and one broadcast of its parameters, flat, to every rank. What no tool that keeps
     the ranks out current can undercut."""
 
+    name = "alone_kept_current"
     FIGURES = 8
     """Values a rank's row of figures holds (an adaptive rule gathers each rank's compute, waits and samples)."""
-
-    def __init__(self, module: nn.Module, speed: float, split: Split, seed: int, sample_cost_ms: float) -> None:
-        super().__init__(module, speed, split, seed, sample_cost_ms)
-        self.name = "alone_kept_current"
 
     def train_epoch(self, epoch: int) -> None:
         super().train_epoch(epoch)
         row = torch.zeros(self.FIGURES, dtype=torch.float64)
         dist.all_gather([torch.empty_like(row) for _ in range(dist.get_world_size())], row)
-        parameters = list(self.module.parameters())
-        flat = parameters_to_vector(parameters).detach()
-        dist.broadcast(flat, 0)
-        if dist.get_rank() != 0:
-            vector_to_parameters(flat, parameters)
+        broadcast_in_place([parameter.data for parameter in self.module.parameters()], 0, dist.group.WORLD)
 
 
 def calibrated_cost_ms(module: nn.Module, split: Split, speed: float, samples: int = GLOBAL_BATCH,

@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--how", choices=("stop", "sleep"), required=True)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--at", type=int, default=3)
-    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint", "all-gather", "epoch-end"), default="gradients")
+    parser.add_argument("--where", choices=("gradients", "buffers", "checkpoint", "all-gather", "epoch-end"),
+                        default="gradients")
     parser.add_argument("--init-method", metavar="URL", help="join by this tcp:// or file:// URL as --rank of "
                         "--world-size, as an engine that sets no torchrun variable would (a script of one's own)")
     parser.add_argument("--rank", type=int)
@@ -69,7 +70,7 @@ def main() -> None:
 
     trainer = LoopLoader(loader) if args.where == "epoch-end" else None
     try:
-        for step, (x, y) in enumerate(trainer or loader):
+        for step, (x, y) in enumerate(loader if trainer is None else trainer):
             hang(step, "before")
             if trainer is not None:
                 trainer.begin_batch()
